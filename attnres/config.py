@@ -1,0 +1,98 @@
+"""Typed configuration of the model and of its residual variant.
+
+Plain dataclasses (no Hydra or OmegaConf here: the core imports torch only). The harness maps its
+YAML onto these same classes as structured configs, so a wrong key fails when a run starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# The thirteen variant names of the paper's ablation (Table 4) plus Hyper-Connections as an extra
+# peer. They are the file names of conf/residual/ and the values of `residual.name`.
+VARIANTS: tuple[str, ...] = (
+    "baseline",
+    "denseformer",
+    "hc",
+    "mhc",
+    "full",
+    "full_input_query",
+    "full_scalar",
+    "full_sigmoid",
+    "full_no_rmsnorm",
+    "sliding_window",
+    "block",
+    "block_multihead",
+    "block_no_rmsnorm",
+)
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only LM: RMSNorm PreNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+    `layers` counts Transformer blocks (L_b); the residual stream sees L = 2·L_b sublayers.
+    """
+
+    name: str = "custom"
+    vocab_size: int = 256  # byte-level by default
+    d_model: int = 128
+    layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None: as many as n_heads (plain multi-head attention)
+    d_ff: Optional[int] = None  # None: SwiGLU width ≈ 8/3·d_model rounded up to a multiple of 32
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_ff is None:
+            self.d_ff = 32 * -(-(8 * self.d_model // 3) // 32)
+        for key in ("vocab_size", "d_model", "layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"model.{key} must be a positive integer, got {getattr(self, key)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"head dimension d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE"
+            )
+
+    @property
+    def sublayers(self) -> int:
+        return 2 * self.layers
+
+
+@dataclass
+class ResidualConfig:
+    """Which residual variant owns the residual stream, and its knobs.
+
+    Only the knobs of the chosen variant are read: `block_size`/`num_blocks` by the block
+    variants, `window` by sliding_window, `heads` by block_multihead, `streams` and the
+    Sinkhorn settings by hc/mhc.
+    """
+
+    name: str = "baseline"
+    block_size: int = 4  # S, sublayers per block; the last block takes any remainder (paper)
+    num_blocks: Optional[int] = None  # N; when set it wins over block_size and must divide L
+    window: int = 8  # sliding_window: the 8 most recent sublayer outputs + the embedding (W = 1+8)
+    heads: int = 16  # block_multihead: channel groups with their own softmax over depth
+    streams: int = 4  # hc / mhc: number of residual streams (n = m = 4 in both papers)
+    sinkhorn_iters: int = 20  # mhc: Sinkhorn-Knopp iterations
+    gate_init: float = 0.01  # mhc: gating factor alpha at init (Megatron-LM's default)
+
+    def __post_init__(self) -> None:
+        if self.name not in VARIANTS:
+            raise ValueError(
+                f"residual.name={self.name!r} is not a known variant; allowed: {', '.join(VARIANTS)}"
+            )

@@ -1,0 +1,83 @@
+"""The two sublayers of a Transformer block, each a function h -> f(h) with its own PreNorm.
+
+A sublayer never adds its input back: the residual module decides how outputs are combined.
+This is what lets one model carry every residual variant of the paper.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+_ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of rotary position embeddings (Su et al. 2021), cached per shape and device.
+
+    Computed in float64 then cast, so that float64 tests see exact rotations too.
+    """
+    key = (seq_len, head_dim, theta, str(device), dtype)
+    if key not in _ROPE_CACHE:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+        _ROPE_CACHE[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
+    return _ROPE_CACHE[key]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x1, x2) of the two halves of each head (the GPT-NeoX / Llama layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Grouped-query causal attention through `F.scaled_dot_product_attention`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.rope_theta = cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_proj(x).view(B, T, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, x.device, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """MLP of Shazeer (2020): down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Sublayer(nn.Module):
+    """f(h) = op(RMSNorm(h)): one attention or one MLP with its own PreNorm (PAPER.md, vocabulary)."""
+
+    def __init__(self, kind: str, cfg: ModelConfig):
+        super().__init__()
+        self.kind = kind  # "attn" or "mlp": the analysis draws the two kinds of rows apart
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.op = CausalSelfAttention(cfg) if kind == "attn" else SwiGLU(cfg)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.op(self.norm(h))

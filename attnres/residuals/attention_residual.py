@@ -1,0 +1,270 @@
+"""Attention Residuals (Kimi Team, 2026): each sublayer reads earlier outputs through softmax
+attention over depth. One class covers the whole family of the paper's ablation through five
+orthogonal knobs:
+
+- sources: "full" (every earlier output v_i), "window" (the embedding plus the W-1 most recent
+  outputs), "block" (completed block sums b_0..b_{n-1} plus the running partial sum b_n^{i-1});
+- query: "static" (a learned pseudo-query per sublayer, zero-initialised), "input" (projected from
+  the hidden state, see below), "scalar" (a learned logit per (reader, source), no query or key);
+- key_norm: RMSNorm on keys (with its own gain per reader) or raw keys;
+- normaliser: "softmax" or "sigmoid" (renormalised, see depth_attention.normalise_scores);
+- heads: channel groups with their own normalisation over depth.
+
+Design decisions where the paper is silent:
+- input-dependent query: the query of sublayer l is W_l·h_{l-1}, a projection of the hidden state
+  that the previous sublayer read (for the first sublayer, the embedding). h_l itself is what the
+  read computes, so the latest state that exists when sublayer l reads is h_{l-1}; it is
+  per-token, causal, and with W_l zero-initialised the variant starts as Full AttnRes. The output
+  read keeps a static query.
+- multi-head: the key norm uses the rms of all d channels (one rms per source, shared by every
+  head and every reader, as in the single-head kernel); each group of d/H channels scores with its
+  slice of the query.
+- block with L not a multiple of S: the last block takes the remainder (the paper's rule).
+
+Speed without changing the math: RMSNorm_l(v)·w_l = (g_l∘w_l)·v / rms(v). Each source's 1/rms is
+computed once, and, for static queries, its scores for *all* readers come from one matmul with
+the stacked effective queries when the source is completed (phase 1 of the paper's Algorithm 1
+generalised to every schedule). A read then only gathers scores, normalises, and mixes the sources
+in place, never stacking them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..depth_attention import NORMALISERS, inv_rms, normalise_scores
+from .base import Residual, SublayerFn
+
+SOURCES = ("full", "window", "block")
+QUERIES = ("static", "input", "scalar")
+
+
+class AttentionResidual(Residual):
+    has_depth_weights = True
+
+    def __init__(
+        self,
+        d_model: int,
+        num_layers: int,
+        *,
+        sources: str = "full",
+        block_size: Optional[int] = None,
+        window: Optional[int] = None,
+        query: str = "static",
+        key_norm: bool = True,
+        normaliser: str = "softmax",
+        heads: int = 1,
+        eps: float = 1e-6,
+    ):
+        super().__init__(d_model, num_layers)
+        _check_choice("sources", sources, SOURCES)
+        _check_choice("query", query, QUERIES)
+        _check_choice("normaliser", normaliser, NORMALISERS)
+        if heads < 1 or d_model % heads:
+            raise ValueError(f"heads={heads} must be a positive divisor of d_model={d_model}")
+        if sources == "block" and not (block_size and 1 <= block_size <= num_layers):
+            raise ValueError(f"block_size={block_size} must be between 1 and num_layers={num_layers} (it counts sublayers)")
+        if sources == "window" and not (window and window >= 1):
+            raise ValueError(f"window={window} must be a positive number of recent sublayer outputs")
+        self.sources, self.query_kind, self.key_norm = sources, query, key_norm
+        self.normaliser, self.heads, self.eps = normaliser, heads, eps
+        self.block_size = block_size if sources == "block" else 1
+        self.window = window
+        self.num_columns = (math.ceil(num_layers / self.block_size) if sources == "block" else num_layers) + 1
+
+        L, d = num_layers, d_model
+        if query == "scalar":
+            # Rows: the L sublayers then the output read; columns: sources. Zero: the plain mean.
+            self.mixing_logits = nn.Parameter(torch.zeros(L + 1, self.num_columns))
+            self.key_norm = False  # no keys to normalise
+        else:
+            if query == "static":
+                self.pseudo_queries = nn.Parameter(torch.zeros(L, d))
+            self.output_query = nn.Parameter(torch.zeros(d))
+            if key_norm:
+                self.key_norms = nn.ModuleList(nn.RMSNorm(d, eps=eps) for _ in range(L))
+                self.output_norm = nn.RMSNorm(d, eps=eps)
+        if query == "input":
+            self.query_projections = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(L))
+            for proj in self.query_projections:
+                nn.init.zeros_(proj.weight)
+
+    # --- structure -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.num_columns - 1 if self.sources == "block" else self.num_layers
+
+    def block_ends(self, l: int) -> bool:
+        """Whether sublayer l (0-based) closes its block: every S, and the last one (remainder)."""
+        return (l + 1) % self.block_size == 0 or l == self.num_layers - 1
+
+    def visibility(self) -> torch.Tensor:
+        L, C = self.num_layers, self.num_columns
+        visible = torch.zeros(L + 1, C, dtype=torch.bool)
+        for l in range(L + 1):
+            if self.sources == "block":
+                done = l // self.block_size if l < L else C - 1  # completed blocks before reader l
+                visible[l, : done + 1] = True
+                if l < L and l % self.block_size:  # the partial sum of the current block
+                    visible[l, done + 1] = True
+            else:
+                visible[l, : l + 1] = True
+                if self.sources == "window":
+                    visible[l, 1 : max(1, l + 1 - self.window)] = False
+        return visible
+
+    # --- the stream ----------------------------------------------------------------------------
+    def effective_queries(self) -> torch.Tensor:
+        """Query ∘ key-norm gain per static reader: (L+1, d), rows the sublayers then the output
+        read; with input-dependent queries only the output read is static: (1, d)."""
+        if self.query_kind == "input":
+            q, norms = self.output_query[None], [self.output_norm] if self.key_norm else []
+        else:
+            q = torch.cat([self.pseudo_queries, self.output_query[None]])
+            norms = list(self.key_norms) + [self.output_norm] if self.key_norm else []
+        if norms:
+            q = q * torch.stack([n.weight for n in norms])
+        return q
+
+    def stream(self, embedding: torch.Tensor, sublayers: Sequence[SublayerFn], want_weights: bool):
+        L = self.num_layers
+        q_all = None if self.query_kind == "scalar" else self.effective_queries()
+        completed: list[_Source] = [self._source(embedding, 0, q_all)]
+        partial: Optional[torch.Tensor] = None
+        prev_h = embedding
+        rows: list[torch.Tensor] = []
+        for l, f in enumerate(sublayers):
+            h, alpha = self._read(l, self._visible(completed, l), partial, prev_h, q_all)
+            v = f(h)
+            self.observe(h, v)
+            prev_h = h
+            if want_weights:
+                rows.append(self._row(l, alpha, len(completed), partial is not None, h))
+            if self.sources == "block":
+                partial = v if partial is None else partial + v
+                if self.block_ends(l):
+                    completed.append(self._source(partial, len(completed), q_all))
+                    partial = None
+            else:
+                completed.append(self._source(v, l + 1, q_all))
+        out, alpha = self._read(L, self._visible(completed, L), None, prev_h, q_all)
+        if want_weights:
+            rows.append(self._row(L, alpha, len(completed), False, out))
+        return out, (torch.stack(rows) if want_weights else None)
+
+    def _visible(self, completed: list["_Source"], l: int) -> list["_Source"]:
+        if self.sources == "window" and len(completed) > self.window + 1:
+            return completed[:1] + completed[-self.window :]
+        return completed
+
+    def _source(self, v: torch.Tensor, column: int, q_all: Optional[torch.Tensor]) -> "_Source":
+        r = inv_rms(v, self.eps) if self.key_norm else None
+        scores = None
+        if self.query_kind == "static":
+            scores = self._scores(v, q_all, r)  # (B, T, H, L+1): this source scored by every reader
+        return _Source(v, column, r, scores)
+
+    def _scores(self, v: torch.Tensor, q: torch.Tensor, r: Optional[torch.Tensor]) -> torch.Tensor:
+        """Scores of source v for queries q: (R, d) or (d,) static, or (B, T, d) per token.
+        Returns (B, T, H, R), with R = 1 for a single or per-token query."""
+        H = self.heads
+        if q.dim() == 1:
+            q = q[None]
+        if q.dim() == 2 and H == 1:
+            s = (v @ q.t()).unsqueeze(-2)
+        elif q.dim() == 2:
+            s = torch.einsum("...hc,rhc->...hr", v.unflatten(-1, (H, -1)), q.unflatten(-1, (H, -1)))
+        else:
+            s = (v * q).unflatten(-1, (H, -1)).sum(-1).unsqueeze(-1)
+        return s * r.unsqueeze(-1) if r is not None else s
+
+    def _input_query(self, l: int, prev_h: torch.Tensor, q_all: torch.Tensor) -> torch.Tensor:
+        """Per-token query of sublayer l from the previous hidden state; static for the output read."""
+        if l == self.num_layers:
+            return q_all[0]
+        q = self.query_projections[l](prev_h)
+        return q * self.key_norms[l].weight if self.key_norm else q
+
+    def _read(self, l, visible, partial, prev_h, q_all):
+        """Read for reader l (l = L: the output read); returns h and weights (B|1, T|1, H|1, n)."""
+        if self.query_kind == "scalar":
+            cols = [s.column for s in visible] + ([len(visible)] if partial is not None else [])
+            scores = self.mixing_logits[l, cols].view(1, 1, 1, -1)
+        else:
+            if self.query_kind == "static":
+                q_l = q_all[l]
+                cols = [s.scores[..., l] for s in visible]
+            else:
+                q_l = self._input_query(l, prev_h, q_all)
+                cols = [self._scores(s.v, q_l, s.inv_rms)[..., 0] for s in visible]
+            if partial is not None:
+                r = inv_rms(partial, self.eps) if self.key_norm else None
+                cols.append(self._scores(partial, q_l, r)[..., 0])
+            scores = torch.stack(cols, dim=-1)
+        alpha = normalise_scores(scores, self.normaliser, dim=-1)
+        values = [s.v for s in visible] + ([partial] if partial is not None else [])
+        H = self.heads
+        h = None
+        for i, v in enumerate(values):
+            term = alpha[..., i, None] * v.unflatten(-1, (H, -1))
+            h = term if h is None else h + term
+        return h.flatten(-2), alpha
+
+    def _row(self, l, alpha, n_completed, has_partial, like) -> torch.Tensor:
+        """Scatter one read's weights (mean over heads) into the (B, T, columns) layout."""
+        row = like.new_zeros(*like.shape[:-1], self.num_columns)
+        vis = self.visibility()[l].nonzero().flatten().tolist()
+        row[..., vis] = alpha.mean(-2).expand(*like.shape[:-1], -1).to(row.dtype)
+        return row
+
+    def mixing_flops_per_token(self) -> int:
+        """Per read: a dot product and an axpy per visible source (4·n·d), the normaliser, and the
+        rms of every new source or partial sum (3·d); input queries add their d×d projection."""
+        d, vis = self.d_model, self.visibility()
+        n = vis.sum(1)
+        flops = int(4 * d * n.sum()) + 3 * d * (self.num_layers + 1) + 5 * int(n.sum())
+        if self.query_kind == "input":
+            flops += 2 * d * d * self.num_layers
+        return flops
+
+
+class _Source:
+    """A completed source: its value, column in the weight maps, 1/rms and precomputed scores."""
+
+    __slots__ = ("v", "column", "inv_rms", "scores")
+
+    def __init__(self, v, column, inv_rms_, scores):
+        self.v, self.column, self.inv_rms, self.scores = v, column, inv_rms_, scores
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+class FullAttentionResidual(AttentionResidual):
+    """Full AttnRes as a drop-in module: every sublayer reads the embedding and every earlier
+    output; `out` is one more read over all L+1 sources. num_layers counts sublayers."""
+
+    def __init__(self, d_model: int, num_layers: int, eps: float = 1e-6):
+        super().__init__(d_model, num_layers, sources="full", eps=eps)
+
+
+class BlockAttentionResidual(AttentionResidual):
+    """Block AttnRes as the PyTorch RFC's drop-in module (num_layers counts sublayers).
+
+    Unlike the RFC sketch it follows the paper: the first sublayer of a block reads no (all-zero)
+    partial source, the embedding is a source of its own, and `out` is the final read over all
+    N+1 block representations rather than the last partial sum. The RFC's form requires that
+    num_blocks divide num_layers; the model's `block` variant (block_size) allows a remainder.
+    """
+
+    def __init__(self, d_model: int, num_layers: int, num_blocks: int, eps: float = 1e-6):
+        if num_blocks < 1 or num_layers % num_blocks:
+            raise ValueError(
+                f"num_blocks={num_blocks} must divide num_layers={num_layers} (both count sublayers)"
+            )
+        super().__init__(d_model, num_layers, sources="block", block_size=num_layers // num_blocks, eps=eps)
