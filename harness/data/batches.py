@@ -1,0 +1,86 @@
+"""Turning a 1-D token tensor into (input, target) batches for training and for validation.
+
+Design decisions:
+- Training batches are random windows of seq_len+1 tokens (input = first seq_len, target = last
+  seq_len), drawn with replacement: no epoch bookkeeping, any corpus size works.
+- Batch i draws its window starts from its own generator, seeded by the pair (seed, i) through
+  numpy's SeedSequence. Batch i is therefore a pure function of (tokens, seed, i): a resumed run
+  that starts at batch i gets exactly the batches the uninterrupted run would have got, with no
+  generator state to save in the checkpoint and no replay of the batches before it. (Pairs, not
+  seed·K + i, so different seeds never share a batch.)
+- Validation uses fixed contiguous windows that do not overlap (window j starts at j·seq_len),
+  spread evenly over the whole split rather than taken from its start, so a capped evaluation still
+  sees every part of the held-out text. Only full batches are returned (every batch weighs the
+  same in an average); a split smaller than one batch gives a single smaller batch.
+- Batches are int64 (what nn.Embedding and cross_entropy take) on the CPU; moving them to the
+  device is the training loop's business (it knows about pinning and non-blocking copies).
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from .config import DataError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _windows(tokens: torch.Tensor, starts: np.ndarray, seq_len: int) -> Batch:
+    index = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    # The gather runs in numpy: it reads only the rows needed (a memory-mapped shard is not read
+    # whole), handles uint16, and stays single-threaded. torch's CPU indexing and casts go through
+    # its intra-op thread pool, which measured 30-200x slower per batch when the cores are busy
+    # with training (the data path must not compete with the model for threads).
+    if tokens.device.type != "cpu":  # tokens already on an accelerator: gather there
+        w = tokens[torch.from_numpy(index).to(tokens.device)].long()
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    w = tokens.numpy()[index].astype(np.int64)
+    return torch.from_numpy(np.ascontiguousarray(w[:, :-1])), torch.from_numpy(np.ascontiguousarray(w[:, 1:]))
+
+
+def _check(tokens: torch.Tensor, batch_size: int, seq_len: int) -> int:
+    if tokens.dim() != 1:
+        raise DataError(f"token tensor must be 1-D, got shape {tuple(tokens.shape)}")
+    if batch_size < 1 or seq_len < 1:
+        raise DataError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    n = tokens.numel()
+    if n < seq_len + 1:
+        raise DataError(f"sequence longer than the data: {n} tokens, but seq_len+1 = {seq_len + 1} are needed")
+    return n
+
+
+def batch_iterator(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, start_batch: int = 0
+) -> Iterator[Batch]:
+    """Endless deterministic (x, y) int64 batches of shape (batch_size, seq_len), from batch
+    `start_batch` on."""
+    n = _check(tokens, batch_size, seq_len)
+    if start_batch < 0:
+        raise DataError(f"start_batch={start_batch}: must be >= 0")
+    i = start_batch
+    while True:
+        rng = np.random.default_rng([seed % 2**64, i])
+        starts = rng.integers(0, n - seq_len, size=batch_size)  # last start: n - seq_len - 1
+        yield _windows(tokens, starts, seq_len)
+        i += 1
+
+
+def val_batches(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, max_batches: Optional[int] = None
+) -> list[Batch]:
+    """The fixed held-out set: non-overlapping windows, at most max_batches full batches."""
+    n = _check(tokens, batch_size, seq_len)
+    available = (n - 1) // seq_len
+    wanted = available if max_batches is None else min(available, max_batches * batch_size)
+    if wanted >= batch_size:
+        wanted -= wanted % batch_size
+    if wanted <= 0:  # max_batches=0: evaluation switched off
+        return []
+    # Evenly spread window indices; distinct because available >= wanted.
+    chosen = (np.arange(wanted, dtype=np.int64) * available) // wanted
+    starts = chosen * seq_len
+    return [
+        _windows(tokens, starts[i : i + batch_size], seq_len) for i in range(0, wanted, batch_size)
+    ]

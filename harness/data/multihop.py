@@ -1,0 +1,221 @@
+"""A synthetic multi-hop probe: does depth routing help a model follow chains of assignments?
+
+An example is a shuffled list of single-letter variable assignments and a query; the answer is a
+digit that can only be found by following k assignments, e.g. (k = 4)
+
+    c=b;x=3;a=7;d=c;b=a;y=x;?d=7
+
+(d=c, c=b, b=a, a=7: four hops; x, y are a distractor chain). Examples are separated by a newline
+and tokenised byte-level (vocabulary 256), so the probe runs with the default model unchanged.
+
+Design decisions:
+- k counts the assignments on the path from the queried variable to its digit: k = 1 is a direct
+  lookup ("a=7;…;?a="). Every variable is assigned exactly once, so the path, and therefore k, is
+  unique; `resolve` recomputes both from the text alone, which is what the tests check.
+- Every example has exactly n_vars statements, each three characters ("x=y" or "x=7"), so all
+  examples, whatever k, have the same length: the only thing that varies with k is the depth of the
+  dependency, not the sequence length or the number of distractors. It also makes evaluation batches
+  rectangular, with no padding.
+- The variables not on the target chain form distractor chains with random lengths from 1 to
+  max(hops), so the target chain is not recognisable by its length. Their digits are drawn from the
+  nine digits other than the answer: the answer appears exactly once in the text, and a model that
+  picks "a digit it saw" without following the chain scores near chance.
+- Variable names are a random sample of the 26 letters and the statement order is shuffled, so
+  neither alphabet nor position gives the chain away.
+- Generation uses random.Random seeded with a string naming (seed, split, k); Python seeds string
+  seeds through SHA-512, so the examples are identical on every machine and every run. Training
+  examples that coincide with a validation prompt are regenerated, so accuracy is measured on
+  prompts never trained on.
+- The validation split is the scored set: val_examples split evenly over the hop counts. Its text
+  also gives the held-out loss.
+- accuracy() feeds "\\n" + prompt (an example start as the model saw it during training, where
+  examples follow one another) and decodes the answer greedily; an answer counts only if every
+  answer token is the argmax.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .config import DataConfig, DataError
+
+SEPARATOR = "\n"
+LETTERS = string.ascii_lowercase
+DIGITS = string.digits
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str  # statements and the query, up to and including "?x="
+    answer: str  # the digit
+    k: int  # hops
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.answer + SEPARATOR
+
+
+def resolve(prompt: str) -> tuple[str, int]:
+    """(answer, hops) of a prompt, found by following its assignments; used to verify examples."""
+    body, _, query = prompt.rpartition("?")
+    env = dict(s.split("=", 1) for s in body.split(";") if s)
+    var, hops = query.rstrip("="), 0
+    seen = set()
+    while var in env:
+        if var in seen:
+            raise ValueError(f"cyclic assignments in {prompt!r}")
+        seen.add(var)
+        var, hops = env[var], hops + 1
+    return var, hops
+
+
+class MultiHopProbe:
+    def __init__(
+        self,
+        hops: Sequence[int] = (1, 2, 3, 4),
+        n_vars: int = 12,
+        train_examples: int = 20000,
+        val_examples: int = 800,
+        seed: int = 0,
+    ):
+        self.hops = tuple(int(k) for k in hops)
+        self.n_vars, self.seed = int(n_vars), int(seed)
+        self.train_examples, self.val_examples = int(train_examples), int(val_examples)
+        if not self.hops or min(self.hops) < 1:
+            raise DataError(f"data.hops={list(self.hops)}: needs at least one hop count, each >= 1")
+        if not max(self.hops) <= self.n_vars <= len(LETTERS):
+            raise DataError(
+                f"data.n_vars={self.n_vars}: must be between max(data.hops)={max(self.hops)} "
+                f"and {len(LETTERS)} (one letter per variable)"
+            )
+        if self.train_examples < 1 or self.val_examples < len(self.hops):
+            raise DataError(
+                f"data.train_examples={self.train_examples}, data.val_examples={self.val_examples}: "
+                f"need >= 1 training example and >= one validation example per hop count ({len(self.hops)})"
+            )
+        self._val: Optional[dict[int, list[Example]]] = None
+        self._train: Optional[list[Example]] = None
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> "MultiHopProbe":
+        return cls(cfg.hops, cfg.n_vars, cfg.train_examples, cfg.val_examples, cfg.seed)
+
+    @property
+    def example_len(self) -> int:
+        """Tokens per example: n_vars statements "x=y;", the query "?x=", the digit, the newline."""
+        return 4 * self.n_vars + 3 + 1 + 1
+
+    # --- generation ----------------------------------------------------------------------------
+    def _rng(self, split: str, k: int) -> random.Random:
+        return random.Random(f"attnres-multihop:{self.seed}:{split}:{k}")
+
+    def make_example(self, k: int, rng: random.Random) -> Example:
+        names = rng.sample(LETTERS, self.n_vars)
+        answer = rng.choice(DIGITS)
+        others = [d for d in DIGITS if d != answer]
+        chain = names[:k]
+        statements = [f"{chain[0]}={answer}"] + [f"{chain[i]}={chain[i - 1]}" for i in range(1, k)]
+        rest, longest = names[k:], max(self.hops)
+        while rest:
+            length = min(rng.randint(1, longest), len(rest))
+            links, rest = rest[:length], rest[length:]
+            statements.append(f"{links[0]}={rng.choice(others)}")
+            statements += [f"{links[i]}={links[i - 1]}" for i in range(1, length)]
+        rng.shuffle(statements)
+        return Example("".join(s + ";" for s in statements) + f"?{chain[-1]}=", answer, k)
+
+    def val_set(self) -> dict[int, list[Example]]:
+        """The held-out examples by hop count (val_examples // len(hops) each)."""
+        if self._val is None:
+            per_hop = self.val_examples // len(self.hops)
+            self._val = {}
+            for k in self.hops:
+                rng = self._rng("val", k)
+                self._val[k] = [self.make_example(k, rng) for _ in range(per_hop)]
+        return self._val
+
+    def train_set(self) -> list[Example]:
+        """Training examples, hop counts balanced over `hops` and shuffled."""
+        if self._train is None:
+            held_out = {ex.prompt for exs in self.val_set().values() for ex in exs}
+            rng = self._rng("train", 0)
+            ks = [self.hops[i % len(self.hops)] for i in range(self.train_examples)]
+            rng.shuffle(ks)
+            out = []
+            for k in ks:
+                ex = self.make_example(k, rng)
+                while ex.prompt in held_out:
+                    ex = self.make_example(k, rng)
+                out.append(ex)
+            self._train = out
+        return self._train
+
+    def tokens(self, split: str) -> torch.Tensor:
+        examples: Iterable[Example]
+        if split == "train":
+            examples = self.train_set()
+        elif split == "val":
+            examples = [ex for k in self.hops for ex in self.val_set()[k]]
+        else:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        data = bytearray("".join(ex.text for ex in examples).encode("ascii"))
+        return torch.frombuffer(data, dtype=torch.uint8).clone()
+
+    def fingerprint(self, train: torch.Tensor, val: torch.Tensor) -> dict:
+        digest = hashlib.sha256()
+        for split, t in (("train", train), ("val", val)):
+            digest.update(f"{split}\0{t.numel()}\0".encode())
+            digest.update(t.numpy().tobytes())
+        return {
+            "source": "multihop", "files": 0, "bytes": train.numel() + val.numel(),
+            "train_tokens": train.numel(), "val_tokens": val.numel(), "sha256": digest.hexdigest(),
+            "tokenizer": "bytes", "hops": list(self.hops), "n_vars": self.n_vars,
+            "train_examples": self.train_examples, "val_examples": self.val_examples, "seed": self.seed,
+        }
+
+    # --- scoring -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def accuracy(
+        self,
+        model: torch.nn.Module,
+        device: torch.device | str = "cpu",
+        max_per_hop: Optional[int] = None,
+        batch_size: int = 256,
+    ) -> dict[int, float]:
+        """Greedy exact-match accuracy of the answer, per hop count, on the validation examples.
+
+        `model(idx)` must return (logits, loss) with logits of shape (B, T, vocab). The model's
+        train/eval mode is restored afterwards.
+        """
+        was_training = model.training
+        model.eval()
+        try:
+            result = {}
+            for k in self.hops:
+                examples = self.val_set()[k][:max_per_hop]
+                correct = 0
+                for i in range(0, len(examples), batch_size):
+                    chunk = examples[i : i + batch_size]
+                    idx = torch.tensor(
+                        [list((SEPARATOR + ex.prompt).encode("ascii")) for ex in chunk],
+                        dtype=torch.long, device=device,
+                    )
+                    targets = torch.tensor(
+                        [list(ex.answer.encode("ascii")) for ex in chunk], dtype=torch.long, device=device
+                    )
+                    ok = torch.ones(len(chunk), dtype=torch.bool, device=device)
+                    for j in range(targets.shape[1]):
+                        logits, _ = model(idx)
+                        nxt = logits[:, -1, :].argmax(dim=-1)
+                        ok &= nxt == targets[:, j]
+                        idx = torch.cat([idx, nxt[:, None]], dim=1)
+                    correct += int(ok.sum())
+                result[k] = correct / len(examples) if examples else float("nan")
+            return result
+        finally:
+            model.train(was_training)

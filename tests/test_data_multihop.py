@@ -1,0 +1,112 @@
+"""The multi-hop probe: well-formed examples that need exactly k hops, and per-k accuracy."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from attnres import DecoderLM, ModelConfig
+from harness.data import DataConfig, MultiHopProbe, load_data, resolve
+from harness.data.multihop import SEPARATOR
+
+STATEMENT = re.compile(r"^[a-z]=[a-z0-9]$")
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return MultiHopProbe(hops=(1, 2, 3, 4, 6), n_vars=10, train_examples=500, val_examples=250, seed=3)
+
+
+def test_examples_need_exactly_k_hops(probe):
+    lengths = set()
+    for k, examples in probe.val_set().items():
+        assert len(examples) == 50
+        for ex in examples:
+            assert ex.k == k and resolve(ex.prompt) == (ex.answer, k)
+            body, query = ex.prompt.rsplit("?", 1)
+            statements = body.rstrip(";").split(";")
+            assert len(statements) == probe.n_vars and all(STATEMENT.match(s) for s in statements)
+            names = [s[0] for s in statements]
+            assert len(set(names)) == probe.n_vars  # each variable assigned once: one path
+            assert re.fullmatch(r"[a-z]=", query)
+            literals = [s[2] for s in statements if s[2].isdigit()]
+            assert literals.count(ex.answer) == 1  # only the chain's own digit is the answer
+            lengths.add(len(ex.text))
+    assert lengths == {probe.example_len}  # every k has the same length
+
+
+def test_statement_order_is_shuffled(probe):
+    # The chain's first statement (the one holding the digit) is not always in the same place.
+    positions = Counter()
+    for ex in probe.val_set()[4]:
+        statements = ex.prompt.rsplit("?", 1)[0].rstrip(";").split(";")
+        positions[next(i for i, s in enumerate(statements) if s[2] == ex.answer)] += 1
+    assert len(positions) > 4
+
+
+def test_deterministic_and_disjoint(probe):
+    again = MultiHopProbe(hops=(1, 2, 3, 4, 6), n_vars=10, train_examples=500, val_examples=250, seed=3)
+    assert again.val_set() == probe.val_set() and again.train_set() == probe.train_set()
+    other = MultiHopProbe(hops=(1, 2, 3, 4, 6), n_vars=10, train_examples=500, val_examples=250, seed=4)
+    assert other.val_set() != probe.val_set()
+    val_prompts = {ex.prompt for exs in probe.val_set().values() for ex in exs}
+    assert not val_prompts & {ex.prompt for ex in probe.train_set()}
+    assert Counter(ex.k for ex in probe.train_set()) == {k: 100 for k in probe.hops}
+
+
+def test_load_data_multihop_tokens():
+    cfg = DataConfig(name="multihop", hops=[1, 2], n_vars=6, train_examples=100, val_examples=20, seed=1)
+    data = load_data(cfg, seq_len=64)
+    probe = MultiHopProbe.from_config(cfg)
+    text = bytes(data.train.tolist()).decode("ascii")
+    assert text == "".join(ex.text for ex in probe.train_set())
+    assert data.train.numel() == 100 * probe.example_len and data.val.numel() == 20 * probe.example_len
+    for line in text.split(SEPARATOR)[:-1]:
+        prompt, answer = line[:-1], line[-1]
+        assert resolve(prompt)[0] == answer
+    fp = data.fingerprint
+    assert fp["source"] == "multihop" and fp["hops"] == [1, 2] and fp == load_data(cfg, 64).fingerprint
+
+
+class Oracle(torch.nn.Module):
+    """Reads the prompt back from the token ids and puts all logit mass on the true answer."""
+
+    def forward(self, idx, targets=None):
+        logits = torch.zeros(*idx.shape, 256)
+        for b, row in enumerate(idx.tolist()):
+            text = bytes(row).decode("ascii")
+            assert text.startswith(SEPARATOR) and text.endswith("=")
+            answer, _ = resolve(text[1:])
+            logits[b, -1, ord(answer)] = 1.0
+        return logits, None
+
+
+class Constant(torch.nn.Module):
+    def __init__(self, token: int):
+        super().__init__()
+        self.token = token
+
+    def forward(self, idx, targets=None):
+        logits = torch.zeros(*idx.shape, 256)
+        logits[..., self.token] = 1.0
+        return logits, None
+
+
+def test_accuracy_with_dummy_models(probe):
+    oracle = Oracle().train()
+    assert probe.accuracy(oracle, "cpu", batch_size=16) == {k: 1.0 for k in probe.hops}
+    assert oracle.training  # mode restored
+    constant = probe.accuracy(Constant(ord("0")), "cpu", max_per_hop=40)
+    for k, acc in constant.items():
+        expected = sum(ex.answer == "0" for ex in probe.val_set()[k][:40]) / 40
+        assert acc == pytest.approx(expected)
+
+
+def test_accuracy_with_the_real_model():
+    torch.manual_seed(0)
+    probe = MultiHopProbe(hops=(1, 2), n_vars=4, train_examples=10, val_examples=8)
+    model = DecoderLM(ModelConfig(d_model=32, layers=1, n_heads=2, max_seq_len=64))
+    acc = probe.accuracy(model, torch.device("cpu"))
+    assert set(acc) == {1, 2} and all(0.0 <= a <= 1.0 for a in acc.values())
