@@ -1,0 +1,101 @@
+"""The one thing a training loop needs to know about hyper-parameter search: report and maybe stop.
+
+The loop calls, after each validation::
+
+    from harness import pruning
+    ...
+    pruning.report(step, val_loss)   # raises pruning.TrialPruned when the trial should stop
+
+and, when it catches ``TrialPruned``, ends its MLflow run with status ``KILLED`` and tags
+``attnres.status=PRUNED``, ``pruned=true``, then re-raises so that the sweeper records the trial as
+PRUNED. Outside a sweep ``active()`` is False and ``report`` does nothing, so the loop needs no
+``if``.
+
+Design decisions
+----------------
+* **How the live trial gets here.** The Optuna sweeper (``hydra/sweeper=attnres_optuna``) launches
+  each trial as a Hydra job through the launcher, one job at a time. Hydra's basic launcher runs the
+  job in the sweeper's own process and thread, so the sweeper simply ``bind``\\ s the live
+  ``optuna.Trial`` here around the launch and unbinds it afterwards. No environment variables, no
+  second database connection, no extra config keys the training config would have to accept.
+* **Parallelism is by workers, not by launchers.** To use several processes or machines, start the
+  same sweep command several times on one shared storage (SQLite on one machine, PostgreSQL across
+  machines); each worker runs its own sweeper, which binds its own trials here. A launcher that runs
+  jobs in other processes (joblib, submitit) would leave this module unbound in the job, so
+  ``report`` would silently not prune: the sweeper warns when a trial finished without a single
+  report while a pruner is configured.
+* **A module-level slot, not a context variable.** A training loop may validate from a helper
+  thread; a ``contextvars`` value would not be visible there, a module global is. Only one job runs
+  per process at a time, so one slot is enough.
+* **No Optuna import.** Anything with Optuna's ``report(value, step)`` / ``should_prune()`` /
+  ``number`` can be bound, which keeps ``import harness.pruning`` free for runs that never sweep,
+  and lets tests bind a fake.
+* ``TrialPruned`` is this module's own exception. The sweeper also accepts ``optuna.TrialPruned``
+  from loops that talk to Optuna directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+__all__ = ["TrialPruned", "active", "report", "current_trial", "bind"]
+
+
+class TrialPruned(Exception):
+    """Raised by ``report`` when the pruner decided this trial is hopeless. Re-raise it."""
+
+
+class _Trial(Protocol):
+    number: int
+
+    def report(self, value: float, step: int) -> None: ...
+
+    def should_prune(self) -> bool: ...
+
+
+_trial: _Trial | None = None
+
+
+def active() -> bool:
+    """True while a sweeper trial is bound, i.e. inside a job launched by the Optuna sweeper."""
+    return _trial is not None
+
+
+def current_trial() -> Any | None:
+    """The bound ``optuna.Trial`` (for tags such as its number), or None outside a sweep."""
+    return _trial
+
+
+def report(step: int, value: float) -> None:
+    """Give the trial one intermediate objective value; raise ``TrialPruned`` if it should stop.
+
+    ``step`` is the loop's own step counter (the same axis as ``val/loss`` in MLflow) and must
+    grow; Optuna ignores a second report for the same step. A non-finite value is passed on as is:
+    the median pruner prunes it, and the loop raises ``FloatingPointError`` on a non-finite loss
+    anyway.
+    """
+    trial = _trial
+    if trial is None:
+        return
+    value = float(value)
+    trial.report(value, int(step))
+    if trial.should_prune():
+        shown = f"{value:.6g}" if math.isfinite(value) else str(value)
+        raise TrialPruned(f"trial {trial.number} pruned at step {int(step)} (value {shown})")
+
+
+@contextmanager
+def bind(trial: _Trial) -> Iterator[None]:
+    """Make ``trial`` the current one for the duration of a job. Used by the sweeper only."""
+    global _trial
+    if _trial is not None:
+        # Two bound trials would mean two jobs in one process at once: their reports would mix.
+        raise RuntimeError("harness.pruning: a trial is already bound in this process")
+    _trial = trial
+    try:
+        yield
+    finally:
+        _trial = None

@@ -1,0 +1,458 @@
+"""The sweep loop: for each grid cell, open its study and run trials as Hydra jobs until it is full.
+
+Design decisions:
+* **Ask/tell, one job per trial, through Hydra's launcher.** Each trial is one ``launcher.launch``
+  call with that trial's overrides, so jobs get Hydra's usual folders, logs and callbacks. While
+  the job runs, the live ``optuna.Trial`` is bound in ``harness.pruning`` (the basic launcher runs
+  the job in this process); see that module for the contract with the training loop.
+* **Parallel = several workers on one storage.** Running the same command twice (or on two
+  machines with a PostgreSQL URL) makes two workers; they share each study, never exceed its
+  ``n_trials`` (see ``_ledger``), and move on to the next cell together.
+* **Outcomes.** A returned float completes the trial. ``TrialPruned`` (ours or Optuna's) prunes it.
+  Any other exception, or a non-finite value, fails it: recorded with its reason, the sweep goes on
+  until a cell has more failures than ``max_failure_rate`` allows. A task that returns nothing
+  usable (``None``) stops the sweep at once: every trial would fail the same way.
+* **Interrupts.** Ctrl-C (and SIGTERM, turned into the same) voids the running trial, writes the
+  summary and stops with one line; running the same command again finishes the remaining trials
+  only.
+* Job numbers are Optuna trial ids, which are unique in the storage: reruns and workers sharing
+  one sweep folder never write into each other's job folders.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
+
+from harness import pruning
+
+from . import _summary
+from ._ledger import FAILURE_ATTR, VOID_ATTR, Ledger, failure_budget, is_genuine_failure, rank
+from ._space import Cell, Plan, build_plan, enqueued_points
+from ._storage import (
+    base_directory,
+    fail_stale_trials,
+    heartbeat,
+    open_storage,
+    redact,
+    resolve_url,
+)
+from ._strategy import describe, grid_size, make_pruner, make_sampler
+from ._tracking import PARENT_ATTR, StudyTracker, end_leftover_runs, last_run_id, resolve_tracking
+from .config import AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
+
+log = logging.getLogger(__name__)
+
+_FIXED_ATTR = "attnres.fixed_overrides"
+
+
+class SweepRunner:
+    def __init__(
+        self,
+        settings: AttnresOptunaSweeperConf,
+        hydra_context: HydraContext,
+        task_function: TaskFunction,
+        config: DictConfig,
+    ) -> None:
+        self.settings = settings
+        self.hydra_context = hydra_context
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+        self.base_dir = base_directory(OmegaConf.select(config, "hydra.runtime.cwd"))
+        self.sweep_dir = Path(str(config.hydra.sweep.dir))
+        self._warned_silent = False
+
+    # -- the whole sweep ------------------------------------------------------------------------
+
+    def run(self, arguments: list[str]) -> list[_summary.CellSummary]:
+        s = self.settings
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        plan = build_plan(arguments, s.params, parser)
+        enqueue = enqueued_points(s.enqueue, plan)
+        n_trials = s.n_trials
+        if s.sampler.name == "grid":
+            n_trials = min(n_trials, grid_size(plan.dimensions))
+        make_sampler(s.sampler, plan.dimensions)  # refuse bad sampler options before any work
+        make_pruner(s.pruner)
+        prefix = self._study_prefix()
+        self._check_jobs_compose(plan, prefix)
+
+        storage_url = resolve_url(s.storage, self.base_dir)
+        storage = open_storage(storage_url, s.heartbeat_interval, s.grace_period)
+        tracking = resolve_tracking(s.mlflow, self.config, self.base_dir)
+        tracker = None if tracking is None else StudyTracker(*tracking, plots=s.mlflow.plots)
+
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
+        log.info(
+            "attnres_optuna: %d stud%s x %d trials, %s, sampler %s, pruner %s, storage %s",
+            len(plan.cells),
+            "y" if len(plan.cells) == 1 else "ies",
+            n_trials,
+            s.direction,
+            describe(s.sampler),
+            describe(s.pruner),
+            redact(storage_url),
+        )
+        try:
+            with _sigterm_as_interrupt():
+                for cell in plan.cells:
+                    self._run_cell(cell, plan, prefix, n_trials, storage, tracker, enqueue)
+        except KeyboardInterrupt as interrupt:
+            # One line instead of a traceback: stopping on request is not an error of the code.
+            raise SweepAborted(
+                f"sweep interrupted ({str(interrupt) or 'Ctrl-C'}): run the same command again to "
+                "finish the remaining trials"
+            ) from None
+        finally:
+            rows = self._write_summary(plan, prefix, n_trials, storage)
+        return rows
+
+    def _study_prefix(self) -> str:
+        prefix = self.settings.study_name or OmegaConf.select(
+            self.config, "sweep.name", default=None
+        )
+        return str(prefix or self.config.hydra.job.name)
+
+    def _check_jobs_compose(self, plan: Plan, prefix: str) -> None:
+        """Compose every cell's job config once, with a sample point, before anything runs."""
+        sample = [d.override(_sample_value(d.distribution)) for d in plan.dimensions]
+        if self.settings.mlflow.enabled:
+            sample.append(f"++{self.settings.mlflow.parent_run_key}=check")
+        for cell in plan.cells:
+            try:
+                self.hydra_context.config_loader.load_sweep_config(
+                    self.config, [*plan.fixed, *cell.overrides, *sample]
+                )
+            except Exception as error:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+                raise SweeperConfigError(
+                    f"the jobs of study {cell.study_name(prefix)} do not compose: {first}"
+                ) from None
+
+    def _write_summary(
+        self, plan: Plan, prefix: str, n_trials: int, storage: optuna.storages.BaseStorage
+    ) -> list[_summary.CellSummary]:
+        rows = []
+        try:
+            for cell in plan.cells:
+                name = cell.study_name(prefix)
+                try:
+                    study = optuna.load_study(study_name=name, storage=storage)
+                except KeyError:  # a cell this run never reached
+                    continue
+                rows.append(_summary.summarize(study, n_trials, study.user_attrs.get(PARENT_ATTR)))
+            table = _summary.render(rows, self.settings.direction)
+            text, data = _summary.write(rows, self.settings.direction, self.sweep_dir)
+            print(f"\nOptuna sweep summary ({text}, {data.name}):\n{table}\n", flush=True)
+        except Exception as error:  # the summary must never hide the sweep's own outcome
+            log.error("could not write the sweep summary: %s", error)
+        return rows
+
+    # -- one grid cell --------------------------------------------------------------------------
+
+    def _run_cell(
+        self,
+        cell: Cell,
+        plan: Plan,
+        prefix: str,
+        n_trials: int,
+        storage: optuna.storages.RDBStorage,
+        tracker: StudyTracker | None,
+        enqueue: list[dict[str, Any]],
+    ) -> None:
+        name = cell.study_name(prefix)
+        study, created = self._open_study(name, plan, storage, enqueue)
+        parent = None
+        if tracker is not None:
+            parent = tracker.open_parent(
+                study, created, cell.values(), self._parent_tags(cell, n_trials, storage)
+            )
+        ledger = Ledger.of(study.get_trials(deepcopy=False))
+        log.info(
+            "study %s: %d/%d trials done%s",
+            name,
+            ledger.done,
+            n_trials,
+            f", {ledger.running} running elsewhere" if ledger.running else "",
+        )
+        status = "FINISHED"
+        try:
+            self._check_failures(study, name, n_trials)
+            while True:
+                fail_stale_trials(study)
+                if Ledger.of(study.get_trials(deepcopy=False)).to_start(n_trials) == 0:
+                    break
+                with warnings.catch_warnings():
+                    # Optuna warns that heartbeats are meant for optimize(); we beat ourselves.
+                    warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                    trial = study.ask(plan.distributions)
+                if rank(study.get_trials(deepcopy=False), trial.number) > n_trials:
+                    trial.set_user_attr(VOID_ATTR, "surplus")
+                    study.tell(trial, state=TrialState.FAIL)
+                    break
+                self._run_trial(study, trial, cell, plan, parent, tracker, storage)
+                self._check_failures(study, name, n_trials)
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        except SweepAborted:
+            status = "FAILED"
+            raise
+        finally:
+            if tracker is not None and parent is not None:
+                final = Ledger.of(study.get_trials(deepcopy=False))
+                if status == "FINISHED" and (final.done < n_trials or final.running):
+                    status = "RUNNING"  # other workers are still on it
+                try:
+                    tracker.update_parent(parent, study, status)
+                except Exception as error:  # results are in the storage; MLflow is a view
+                    log.warning("study %s: could not update its MLflow parent run: %s", name, error)
+
+    def _open_study(
+        self,
+        name: str,
+        plan: Plan,
+        storage: optuna.storages.RDBStorage,
+        enqueue: list[dict[str, Any]],
+    ) -> tuple[optuna.Study, bool]:
+        s = self.settings
+        sampler, pruner = make_sampler(s.sampler, plan.dimensions), make_pruner(s.pruner)
+        try:
+            study = optuna.create_study(
+                study_name=name,
+                storage=storage,
+                sampler=sampler,
+                pruner=pruner,
+                direction=s.direction,
+            )
+        except optuna.exceptions.DuplicatedStudyError:
+            study = optuna.load_study(
+                study_name=name, storage=storage, sampler=sampler, pruner=pruner
+            )
+            if len(study.directions) != 1 or study.direction.name.lower() != s.direction:
+                raise SweeperConfigError(
+                    f"study {name} exists with direction {study.directions[0].name.lower()}, "
+                    f"not {s.direction}: set hydra.sweeper.study_name to start a new study"
+                ) from None
+            started_with = study.user_attrs.get(_FIXED_ATTR)
+            if started_with is not None and list(started_with) != list(plan.fixed):
+                log.warning(
+                    "study %s was started with overrides %s and continues with %s: "
+                    "its trials are not comparable; set hydra.sweeper.study_name for a new study",
+                    name,
+                    started_with,
+                    list(plan.fixed),
+                )
+            return study, False
+        study.set_user_attr(_FIXED_ATTR, list(plan.fixed))
+        for point in enqueue:
+            study.enqueue_trial(point, skip_if_exists=True)
+        return study, True
+
+    def _parent_tags(self, cell: Cell, n_trials: int, storage: Any) -> dict[str, str]:
+        s = self.settings
+        values = cell.values()
+        tags = {
+            "attnres.sweep": self._study_prefix(),
+            "optuna.direction": s.direction,
+            "optuna.n_trials": str(n_trials),
+            "optuna.sampler": describe(s.sampler),
+            "optuna.pruner": describe(s.pruner),
+            "optuna.storage": redact(storage.url),
+        }
+        if "residual" in values:
+            tags["attnres.variant"] = values["residual"]
+        return tags
+
+    def _check_failures(self, study: optuna.Study, name: str, n_trials: int) -> None:
+        trials = study.get_trials(deepcopy=False)
+        failed = [t for t in trials if is_genuine_failure(t)]
+        budget = failure_budget(n_trials, self.settings.max_failure_rate)
+        if len(failed) > budget:
+            last = max(failed, key=lambda t: t.number)
+            raise SweepAborted(
+                f"study {name}: {len(failed)} of its {n_trials} trials failed, more than "
+                f"max_failure_rate={self.settings.max_failure_rate} allows ({budget}); "
+                f"last, trial {last.number}: {last.user_attrs[FAILURE_ATTR]}"
+            )
+
+    # -- one trial ------------------------------------------------------------------------------
+
+    def _run_trial(
+        self,
+        study: optuna.Study,
+        trial: optuna.Trial,
+        cell: Cell,
+        plan: Plan,
+        parent: str | None,
+        tracker: StudyTracker | None,
+        storage: optuna.storages.RDBStorage,
+    ) -> None:
+        s = self.settings
+        overrides = [
+            *plan.fixed,
+            *cell.overrides,
+            *(d.override(trial.params[d.name]) for d in plan.dimensions),
+        ]
+        if parent is not None:
+            overrides.append(f"++{s.mlflow.parent_run_key}={parent}")
+        trial.set_user_attr("attnres.overrides", overrides)
+        before = last_run_id()
+        # Optuna has no public trial id; it is the storage-wide unique number we want.
+        trial_id = trial._trial_id
+        try:
+            with heartbeat(storage, trial_id, s.heartbeat_interval), pruning.bind(trial):
+                (job,) = self.launcher.launch([overrides], initial_job_idx=trial_id)
+        except BaseException as error:
+            # Ctrl-C, or the launcher itself broke: not the trial's fault, so it is void and the
+            # next run of the sweep runs it again.
+            reason = "interrupted" if isinstance(error, KeyboardInterrupt) else f"launch: {error!r}"
+            end_leftover_runs("KILLED")
+            self._finish(
+                study, trial, TrialState.FAIL, None, {VOID_ATTR: reason}, before, parent, tracker
+            )
+            raise
+        outcome = _outcome(job)
+        end_leftover_runs("KILLED" if outcome.state == TrialState.PRUNED else "FAILED")
+        attrs = {} if outcome.failure is None else {FAILURE_ATTR: outcome.failure}
+        frozen = self._finish(
+            study, trial, outcome.state, outcome.value, attrs, before, parent, tracker
+        )
+
+        shown = " ".join(d.override(trial.params[d.name]) for d in plan.dimensions)
+        if outcome.state == TrialState.COMPLETE:
+            log.info(
+                "%s trial %d: %s -> %.6g", study.study_name, trial.number, shown, outcome.value
+            )
+        elif outcome.state == TrialState.PRUNED:
+            log.info(
+                "%s trial %d: %s -> pruned at step %s",
+                study.study_name,
+                trial.number,
+                shown,
+                frozen.last_step,
+            )
+        else:
+            error = job._return_value
+            log.warning(
+                "%s trial %d: %s -> failed: %s",
+                study.study_name,
+                trial.number,
+                shown,
+                outcome.failure,
+                exc_info=(type(error), error, error.__traceback__)
+                if isinstance(error, BaseException)
+                else None,
+            )
+        if outcome.fatal:
+            raise SweepAborted(f"{study.study_name} trial {trial.number}: {outcome.failure}")
+        if (
+            outcome.state == TrialState.COMPLETE
+            and s.pruner.name != "none"
+            and not frozen.intermediate_values
+            and not self._warned_silent
+        ):
+            self._warned_silent = True
+            log.warning(
+                "trial %d reported no intermediate values, so nothing can be pruned: does the "
+                "task call harness.pruning.report(step, value), and does the launcher run jobs "
+                "in this process (the basic launcher does)?",
+                trial.number,
+            )
+
+    def _finish(
+        self,
+        study: optuna.Study,
+        trial: optuna.Trial,
+        state: TrialState,
+        value: float | None,
+        attrs: Mapping[str, str],
+        before: str | None,
+        parent: str | None,
+        tracker: StudyTracker | None,
+    ) -> optuna.trial.FrozenTrial:
+        """Annotate and tell the trial, then tag its MLflow run."""
+        run_id = last_run_id()
+        run_id = None if run_id == before else run_id
+        # User attributes must be set before tell: a finished trial is read-only.
+        for key, text in {**attrs, **({"mlflow.run_id": run_id} if run_id else {})}.items():
+            trial.set_user_attr(key, text)
+        frozen = study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
+        if tracker is not None and parent is not None:
+            try:
+                tracker.record_trial(parent, study.study_name, frozen, run_id)
+            except Exception as error:
+                log.warning("trial %d: could not tag its MLflow run: %s", trial.number, error)
+        return frozen
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    state: TrialState
+    value: float | None = None
+    failure: str | None = None  # why the trial failed
+    fatal: bool = False  # every trial would fail the same way: stop the sweep
+
+
+def _outcome(job: JobReturn) -> _Outcome:
+    # JobReturn.return_value re-raises a job's exception and prints it as an error even for a
+    # pruned trial; the stored value is what we need.
+    result = job._return_value
+    if job.status != JobStatus.COMPLETED:
+        if isinstance(result, (pruning.TrialPruned, optuna.TrialPruned)):
+            return _Outcome(TrialState.PRUNED)
+        return _Outcome(TrialState.FAIL, failure=f"{type(result).__name__}: {result}"[:1000])
+    try:
+        value = float(result)
+    except (TypeError, ValueError):
+        failure = (
+            f"the task returned {result!r}; an Optuna sweep needs it to return the objective "
+            "(the final validation loss) as a float"
+        )
+        return _Outcome(TrialState.FAIL, failure=failure, fatal=True)
+    if not math.isfinite(value):
+        return _Outcome(TrialState.FAIL, failure=f"objective value is {value}")
+    return _Outcome(TrialState.COMPLETE, value)
+
+
+def _sample_value(distribution: Any) -> Any:
+    if isinstance(distribution, CategoricalDistribution):
+        return distribution.choices[0]
+    return distribution.low
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM (a scheduler's preemption, `kill`) like Ctrl-C: void the trial and stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,167 @@
+"""Where studies live: the storage URL, opening it safely from many processes, trial heartbeats.
+
+Design decisions:
+* **SQLite file by default, any SQLAlchemy URL otherwise.** ``optuna.db`` beside ``mlflow.db`` in
+  the directory the sweep starts from: the same command run again finds the same studies, which is
+  what makes rerunning a sweep continue it. Relative SQLite paths are made absolute once, so a job
+  that changes directory (``hydra.job.chdir``) cannot open a second, empty database.
+* **First use of a SQLite file is serialised with a lock.** Two workers that start at once on a
+  fresh file would otherwise both create the schema and one of them fails (the same trap as
+  MLflow's SQLite store, see ECOSYSTEM.md; the sweeper's MLflow client takes the same lock). The
+  lock is ``flock`` on the database's folder: enough on one machine, which is the only place a
+  SQLite file can be shared anyway, and it leaves no lock file behind.
+* SQLite waits up to 60 s for a lock held by another worker instead of failing at once, and runs
+  in WAL mode with ``synchronous=NORMAL``: workers read while another writes, and a commit does
+  not wait for the disk (safe against a crashed process; only a power cut can lose the last
+  commits). A sweep makes dozens of small commits per trial, which otherwise cost seconds.
+* **Heartbeats** tell a live trial from one whose worker died (killed, machine lost): a trial
+  silent for the grace period is failed by the next worker and run again. Optuna only beats
+  inside ``Study.optimize``; the sweeper uses ask/tell, so it runs its own small beating thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, ContextManager
+
+import optuna
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from .config import SweeperConfigError
+
+DEFAULT_STORAGE_FILE = "optuna.db"
+
+
+def resolve_url(storage: str | None, base_dir: Path) -> str:
+    """The storage URL to use, with a relative SQLite path made absolute against ``base_dir``."""
+    url = storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
+    try:
+        make_url(url)
+    except ArgumentError:
+        raise SweeperConfigError(
+            f"hydra.sweeper.storage={url!r} is not a database URL "
+            "(e.g. sqlite:///optuna.db or postgresql://user@host/db)"
+        ) from None
+    return absolute_sqlite(url, base_dir)
+
+
+def absolute_sqlite(url: str, base_dir: Path) -> str:
+    """``url`` with a relative SQLite file path made absolute (its folder created); else as is."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return url
+    path = Path(parsed.database).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return parsed.set(database=str(path)).render_as_string(hide_password=False)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs and MLflow tags."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def sqlite_init_lock(url: str) -> ContextManager[object]:
+    """An inter-process lock for creating a SQLite database at ``url``; no-op for servers."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return nullcontext()
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return nullcontext()
+    return _folder_lock(Path(parsed.database).expanduser().resolve().parent)
+
+
+@contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # Windows: no fcntl; start one worker first there
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the descriptor closes
+        yield
+    finally:
+        os.close(handle)
+
+
+def open_storage(
+    url: str, heartbeat_interval: int, grace_period: int | None
+) -> optuna.storages.RDBStorage:
+    is_sqlite = make_url(url).get_backend_name() == "sqlite"
+    engine_kwargs = {"connect_args": {"timeout": 60}} if is_sqlite else {}
+    try:
+        with sqlite_init_lock(url), warnings.catch_warnings():
+            # Heartbeats are flagged experimental; the sweeper relies on them knowingly.
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval,
+                grace_period=grace_period,
+            )
+            if is_sqlite:
+                event.listen(storage.engine, "connect", _sqlite_pragmas)
+                storage.engine.dispose()  # connections made so far lack the pragmas
+            return storage
+    except ImportError as error:  # a server URL whose driver is not installed
+        raise SweeperConfigError(f"storage {redact(url)}: {error}") from None
+
+
+def _sqlite_pragmas(connection: Any, record: Any) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    """Fail the trials of dead workers, so that they are run again."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+@contextmanager
+def heartbeat(storage: optuna.storages.RDBStorage, trial_id: int, interval: int) -> Iterator[None]:
+    """Record the trial's heartbeat every ``interval`` seconds while the block runs."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                storage.record_heartbeat(trial_id)
+            except Exception:  # a missed beat is harmless; the job must not die of it
+                pass
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name=f"optuna-heartbeat-{trial_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def base_directory(runtime_cwd: str | None) -> Path:
+    """The directory the sweep was started from (before any job changed directory)."""
+    return Path(runtime_cwd or os.getcwd())

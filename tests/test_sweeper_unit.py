@@ -1,0 +1,298 @@
+"""The sweeper's parts on their own, in this process: no Hydra app, no jobs, no MLflow (fast)."""
+
+from pathlib import Path
+
+import optuna
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from harness import pruning
+from hydra_plugins.attnres_optuna_sweeper import config as sweeper_config
+from hydra_plugins.attnres_optuna_sweeper._ledger import (
+    FAILURE_ATTR,
+    VOID_ATTR,
+    Ledger,
+    failure_budget,
+    rank,
+)
+from hydra_plugins.attnres_optuna_sweeper._space import build_plan
+from hydra_plugins.attnres_optuna_sweeper._strategy import make_pruner, make_sampler
+from hydra_plugins.attnres_optuna_sweeper.config import (
+    AttnresOptunaSweeperConf,
+    SweeperConfigError,
+    validate,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = [
+    "baseline",
+    "denseformer",
+    "hc",
+    "mhc",
+    "full",
+    "full_input_query",
+    "full_scalar",
+    "full_sigmoid",
+    "full_no_rmsnorm",
+    "sliding_window",
+    "block",
+    "block_multihead",
+    "block_no_rmsnorm",
+]
+
+
+def plan(*arguments, params=None):
+    return build_plan(list(arguments), params or {}, OverridesParser.create())
+
+
+# -- harness.pruning --------------------------------------------------------------------------
+
+
+class FakeTrial:
+    number = 7
+
+    def __init__(self, prune_at):
+        self.prune_at, self.reports = prune_at, []
+
+    def report(self, value, step):
+        self.reports.append((step, value))
+
+    def should_prune(self):
+        return self.reports[-1][0] >= self.prune_at
+
+
+def test_pruning_is_a_no_op_outside_a_sweep():
+    assert not pruning.active()
+    assert pruning.current_trial() is None
+    pruning.report(1, 2.5)  # nothing bound: nothing happens, nothing raised
+
+
+def test_pruning_reports_to_the_bound_trial_and_raises_when_told():
+    trial = FakeTrial(prune_at=3)
+    with pruning.bind(trial):
+        assert pruning.active() and pruning.current_trial() is trial
+        pruning.report(1, 2.0)
+        pruning.report(2, 1.5)
+        with pytest.raises(pruning.TrialPruned, match="trial 7 pruned at step 3"):
+            pruning.report(3, 9.0)
+    assert trial.reports == [(1, 2.0), (2, 1.5), (3, 9.0)]
+    assert not pruning.active()
+
+
+def test_pruning_refuses_two_bound_trials():
+    with pruning.bind(FakeTrial(prune_at=99)):
+        with pytest.raises(RuntimeError, match="already bound"):
+            with pruning.bind(FakeTrial(prune_at=99)):
+                pass
+
+
+# -- override syntax -> plan --------------------------------------------------------------------
+
+
+def test_comma_lists_are_grid_cells_and_ranges_are_searched():
+    p = plan(
+        "residual=block,full",
+        "model.layers=8,16",
+        "optim.lr=tag(log,interval(1e-4,3e-2))",
+        "train.tokens=1000",
+    )
+    assert [c.study_name("lr") for c in p.cells] == [
+        "lr/residual=block/model.layers=8",
+        "lr/residual=block/model.layers=16",
+        "lr/residual=full/model.layers=8",
+        "lr/residual=full/model.layers=16",
+    ]
+    assert p.cells[0].overrides == ("residual=block", "model.layers=8")
+    assert p.fixed == ("train.tokens=1000",)
+    assert p.distributions == {"optim.lr": FloatDistribution(1e-4, 3e-2, log=True)}
+    assert p.dimensions[0].override(0.00123456789) == "optim.lr=0.00123456789"
+
+
+def test_choice_range_and_int_interval_are_search_dimensions():
+    p = plan(
+        "a=choice(1,2.5,x,true)",
+        "b=range(1,10,3)",
+        "c=tag(int,log,interval(1,64))",
+        "d=range(0.1,0.4,0.1)",
+    )
+    d = p.distributions
+    assert d["a"] == CategoricalDistribution([1, 2.5, "x", True])
+    assert d["b"] == IntDistribution(1, 7, step=3)
+    assert d["c"] == IntDistribution(1, 64, log=True)
+    assert isinstance(d["d"], FloatDistribution) and d["d"].step == pytest.approx(0.1)
+    assert [p.dimensions[0].override(v) for v in (1, True)] == ["a=1", "a=True"]
+    assert len(p.cells) == 1 and p.cells[0].labels == ()
+
+
+def test_params_are_parsed_like_the_command_line_which_wins():
+    p = plan(
+        "residual=full",
+        params={
+            "residual": "block,full",
+            "optim": {"lr": "tag(log, interval(1e-4, 1e-2))"},
+            "model.layers": 16,
+        },
+    )
+    assert p.cells[0].labels == ()  # the command line fixed residual: no grid left
+    assert set(p.fixed) == {"residual=full", "model.layers=16"}
+    assert p.distributions["optim.lr"] == FloatDistribution(1e-4, 1e-2, log=True)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["optim.lr=interval(1,"], "cannot parse override"),
+        (["optim.lr=tag(loq,interval(1e-4,1e-2))"], "unknown tag 'loq'"),
+        (["residual=block,full"], "nothing to search"),
+        (["optim.lr=tag(log,interval(0,1))"], "optim.lr: "),
+        (["layers=range(5,1)"], "is empty"),
+    ],
+)
+def test_bad_search_syntax_is_one_clear_line(arguments, message):
+    with pytest.raises(SweeperConfigError, match=message) as error:
+        plan(*arguments)
+    assert "\n" not in str(error.value)
+
+
+def test_lr_sweep_config_is_a_grid_of_thirteen_studies_over_a_log_lr():
+    text = (ROOT / "sweeps" / "lr.yaml").read_text()
+    assert text.startswith("# @package _global_")
+    conf = OmegaConf.create(text)
+    assert {"override /hydra/sweeper": "attnres_optuna"} in OmegaConf.to_container(conf.defaults)
+    sweeper = OmegaConf.merge(OmegaConf.structured(AttnresOptunaSweeperConf), conf.hydra.sweeper)
+    validate(OmegaConf.to_object(sweeper))
+    p = plan(params=OmegaConf.to_container(sweeper.params))
+    assert [c.study_name(sweeper.study_name) for c in p.cells] == [
+        f"lr/residual={v}" for v in VARIANTS
+    ]
+    assert p.distributions == {"optim.lr": FloatDistribution(1e-4, 3e-2, log=True)}
+    assert sweeper.sampler.seed is not None
+
+
+# -- samplers, pruners, options -----------------------------------------------------------------
+
+
+def test_samplers_and_pruners_are_built_from_settings():
+    p = plan("a=choice(x,y)", "b=range(1,4)")
+    conf = AttnresOptunaSweeperConf()
+    for name, cls in [
+        ("tpe", optuna.samplers.TPESampler),
+        ("random", optuna.samplers.RandomSampler),
+        ("gp", optuna.samplers.GPSampler),
+        ("grid", optuna.samplers.GridSampler),
+    ]:
+        conf.sampler.name = name
+        assert isinstance(make_sampler(conf.sampler, p.dimensions), cls)
+    for name, cls in [
+        ("median", optuna.pruners.MedianPruner),
+        ("successive_halving", optuna.pruners.SuccessiveHalvingPruner),
+        ("hyperband", optuna.pruners.HyperbandPruner),
+        ("none", optuna.pruners.NopPruner),
+    ]:
+        conf.pruner.name = name
+        assert isinstance(make_pruner(conf.pruner), cls)
+
+
+def test_grid_sampler_refuses_a_continuous_interval():
+    conf = AttnresOptunaSweeperConf()
+    conf.sampler.name = "grid"
+    with pytest.raises(SweeperConfigError, match="continuous"):
+        make_sampler(conf.sampler, plan("optim.lr=interval(1e-4,1e-2)").dimensions)
+
+
+def test_wrong_sampler_keyword_is_a_config_error():
+    conf = AttnresOptunaSweeperConf()
+    conf.sampler.kwargs = {"n_startup_trails": 3}
+    with pytest.raises(SweeperConfigError, match="n_startup_trails"):
+        make_sampler(conf.sampler, plan("a=interval(0,1)").dimensions)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("direction", "minimise", "hydra.sweeper.direction='minimise' is not one of"),
+        ("n_trials", 0, "n_trials=0 must be at least 1"),
+        ("max_failure_rate", 1.5, "max_failure_rate=1.5 must be within"),
+    ],
+)
+def test_settings_are_validated(field, value, message):
+    conf = AttnresOptunaSweeperConf()
+    setattr(conf, field, value)
+    with pytest.raises(SweeperConfigError, match=message):
+        validate(conf)
+
+
+def test_the_sweeper_config_is_registered_for_hydra():
+    from hydra.core.config_store import ConfigStore
+
+    assert sweeper_config  # importing the module registers it
+    repo = ConfigStore.instance().repo["hydra"]["sweeper"]
+    assert "attnres_optuna.yaml" in repo
+
+
+# -- trial accounting -----------------------------------------------------------------------------
+
+
+def _trial(number, state, **attrs):
+    dist = {"x": FloatDistribution(0, 1)}
+    values = {"value": 1.0} if state == TrialState.COMPLETE else {}
+    trial = create_trial(
+        state=state, params={"x": 0.5}, distributions=dist, user_attrs=attrs, **values
+    )
+    trial.number = number
+    return trial
+
+
+def test_ledger_counts_failures_but_not_interrupted_or_stale_trials():
+    trials = [
+        _trial(0, TrialState.COMPLETE),
+        _trial(1, TrialState.PRUNED),
+        _trial(2, TrialState.FAIL, **{FAILURE_ATTR: "FloatingPointError: nan"}),
+        _trial(3, TrialState.FAIL, **{VOID_ATTR: "interrupted"}),
+        _trial(4, TrialState.FAIL),  # failed by the stale-heartbeat check
+        _trial(5, TrialState.RUNNING),
+    ]
+    ledger = Ledger.of(trials)
+    assert (ledger.complete, ledger.pruned, ledger.failed, ledger.void, ledger.running) == (
+        1,
+        1,
+        1,
+        2,
+        1,
+    )
+    assert ledger.done == 3 and ledger.to_start(6) == 2 and ledger.to_start(3) == 0
+    assert rank(trials, 5) == 4  # voids do not take a place
+
+
+def test_failure_budget():
+    assert failure_budget(20, 0.25) == 5
+    assert failure_budget(10, 0.3) == 3
+    assert failure_budget(8, 0.0) == 0
+    assert failure_budget(8, 1.0) == 8
+
+
+# -- which MLflow the sweeper talks to ---------------------------------------------------------
+
+
+def test_tracking_follows_the_task_config(tmp_path, monkeypatch):
+    from hydra_plugins.attnres_optuna_sweeper._tracking import resolve_tracking
+    from hydra_plugins.attnres_optuna_sweeper.config import MlflowConf
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    task = OmegaConf.create(
+        {
+            "tracking": {"uri": "sqlite:///runs/mlflow.db", "experiment": None, "enabled": True},
+            "sweep": {"name": "lr"},
+        }
+    )
+    uri, experiment = resolve_tracking(MlflowConf(), task, tmp_path)
+    assert uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}" and experiment == "lr"
+    task.tracking.experiment = "tuning"
+    assert resolve_tracking(MlflowConf(), task, tmp_path)[1] == "tuning"
+    assert resolve_tracking(MlflowConf(experiment="mine"), task, tmp_path)[1] == "mine"
+    task.tracking.enabled = False
+    assert resolve_tracking(MlflowConf(), task, tmp_path) is None
+    assert resolve_tracking(MlflowConf(enabled=False), OmegaConf.create({}), tmp_path) is None
