@@ -1,0 +1,149 @@
+"""`python -m evaluation <path or run id>`: every evaluation of a trained model in one command.
+
+    python -m evaluation 3f2a…c9                              # held-out loss and bits per byte
+    python -m evaluation 3f2a…c9 --probe                      # + multi-hop accuracy per hop count
+    python -m evaluation 3f2a…c9 --tasks hellaswag,lambada_openai,wikitext
+    python -m evaluation out/model --log-to 3f2a…c9 --tasks wikitext --limit 100
+
+Prints `eval/<task>/<metric> value` lines; with a run (named, or --log-to) the same metrics and
+`eval/<kind>.json` artifacts go into that MLflow run; `--output FILE` also writes them as JSON.
+Bad input (missing checkpoint, unknown run, bad option, unknown task) is one line on stderr and
+exit status 2; a failure while evaluating is one line and exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m evaluation", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="checkpoint folder or file, MLflow run id, or runs:/<run id>[/folder]")
+    p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks, e.g. hellaswag,lambada_openai,wikitext")
+    p.add_argument("--probe", action="store_true", help="multi-hop probe accuracy per hop count")
+    p.add_argument("--skip-heldout", action="store_true", help="do not compute held-out loss / bits per byte")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else MLflow's)")
+    p.add_argument("--log-to", default=None, metavar="RUN_ID", help="log into this run (for a checkpoint folder)")
+    p.add_argument("--no-log", action="store_true", help="do not log anything to MLflow")
+    p.add_argument("--output", default=None, help="also write all results to this JSON file")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: CUDA when available)")
+    p.add_argument("--batch-size", type=_positive, default=16)
+    p.add_argument("--max-batches", type=_positive, default=None, help="held-out batches (default: the whole split)")
+    p.add_argument("--seq-len", type=_positive, default=None, help="held-out window (default: the run's train.seq_len)")
+    p.add_argument("--as-training", action="store_true",
+                   help="held-out on exactly training's val/loss set (train.micro_batch_size, train.eval_batches)")
+    p.add_argument("--data", action="append", default=[], metavar="KEY=VALUE", help="override a data setting (repeatable)")
+    p.add_argument("--tokenizer", choices=("bytes", "gpt2"), default=None, help="default: implied by the vocabulary size")
+    p.add_argument("--probe-max-per-hop", type=_positive, default=None)
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=float, default=None, help="lm-eval: examples per task (a fraction if < 1)")
+    p.add_argument("--include-path", default=None, help="lm-eval: folder of extra task YAML files")
+    p.add_argument("--bootstrap-iters", type=int, default=100000, help="lm-eval: bootstrap samples for stderr")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.skip_heldout and not args.probe and not tasks:
+        return _fail("nothing to evaluate: --skip-heldout without --probe or --tasks", 2)
+    try:
+        from attnres.io import CheckpointError
+
+        from .source import data_settings, open_source
+        from .tokenizer import TokenizerError, tokenizer_for
+
+        source = open_source(args.source, device=args.device, tracking_uri=args.tracking_uri, log_to=args.log_to)
+        data_cfg, seq_len = data_settings(source, args.data, args.seq_len)
+        try:
+            tokenizer = tokenizer_for(source.model.config.vocab_size, args.tokenizer)
+        except TokenizerError as e:
+            if tasks:
+                raise
+            # Held-out loss needs no tokenizer; only bits per byte does.
+            print(f"evaluation: no bits per byte: {e}", file=sys.stderr)
+            tokenizer = None
+    except (CheckpointError, TokenizerError, ValueError) as e:
+        return _fail(str(e), 2)
+    except Exception as e:  # an unreachable tracking server, a corrupt download, …
+        return _fail(f"{args.source}: {_one_line(e)}", 2)
+
+    batch_size, max_batches = args.batch_size, args.max_batches
+    if args.as_training:
+        train = source.config.get("train") if isinstance(source.config.get("train"), dict) else {}
+        batch_size, max_batches = train.get("micro_batch_size"), train.get("eval_batches")
+        if not batch_size or not max_batches:
+            return _fail(f"--as-training: {args.source} records no train.micro_batch_size / train.eval_batches", 2)
+
+    metrics: dict[str, float] = {}
+    artifacts: dict[str, dict] = {}
+    try:
+        if not args.skip_heldout:
+            from harness.data import DataError, load_data
+
+            from .heldout import heldout_metrics
+
+            try:
+                data = load_data(data_cfg, seq_len)
+            except DataError as e:
+                return _fail(str(e), 2)
+            found = heldout_metrics(source.model, data.val, seq_len, tokenizer, batch_size, max_batches)
+            metrics.update({f"heldout/{k}": v for k, v in found.items()})
+            artifacts["heldout"] = {**found, "seq_len": seq_len, "batch_size": batch_size,
+                                    "max_batches": max_batches, "data_fingerprint": data.fingerprint}
+        if args.probe:
+            from .probe import probe_metrics
+
+            found = probe_metrics(source.model, data_cfg, args.probe_max_per_hop)
+            metrics.update({f"multihop/{k}": v for k, v in found.items()})
+            artifacts["probe"] = found
+        if tasks:
+            try:
+                from .harness_tasks import flatten_metrics, run_tasks
+            except ImportError as e:
+                return _fail(f"--tasks needs lm-evaluation-harness ({e}); pip install 'lm-eval==0.4.13'", 2)
+            results = run_tasks(
+                source.model, source.config, tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+                include_path=args.include_path, batch_size=args.batch_size, seed=args.seed, tokenizer=tokenizer,
+                bootstrap_iters=args.bootstrap_iters,
+            )
+            metrics.update(flatten_metrics(results))
+            artifacts["lm_eval"] = results
+    except ValueError as e:  # unknown task, a probe that does not fit the model, …
+        return _fail(str(e), 2)
+    except Exception as e:
+        return _fail(_one_line(e), 1)
+
+    for key, value in sorted(metrics.items()):
+        print(f"eval/{key} {value:.6g}")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"metrics": metrics, **artifacts}, indent=2, default=str))
+    if source.run_id and not args.no_log:
+        from .tracking import log_to_run
+
+        try:
+            log_to_run(source.run_id, source.tracking_uri, metrics, artifacts)
+        except Exception as e:
+            return _fail(f"could not log to run {source.run_id}: {_one_line(e)}", 1)
+        print(f"logged {len(metrics)} metrics and eval/{{{','.join(artifacts)}}}.json to run {source.run_id}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"evaluation: {message}", file=sys.stderr)
+    return code
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:400]

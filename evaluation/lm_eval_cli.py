@@ -1,0 +1,32 @@
+"""`lm_eval`'s own command line with the `attnres` model registered.
+
+    python -m evaluation.lm_eval_cli --model attnres --model_args pretrained=<path or run id> \
+        --tasks hellaswag,lambada_openai,wikitext [any other lm_eval option]
+
+lm-eval 0.4.13 finds models only through its registry, filled by importing the module that
+defines them; the stock `lm_eval` entry point never imports this project. This wrapper imports
+the adapter and then hands the unchanged arguments to lm-eval's CLI, so every lm_eval option and
+output is exactly lm_eval's. (A console script `attnres-lm-eval` pointing at `main` gives the same
+command a shorter name.) Results are not logged to MLflow here: `python -m evaluation RUN --tasks …`
+does that.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    try:
+        from lm_eval.__main__ import cli_evaluate
+
+        from . import lm_eval_adapter  # noqa: F401  (registers "attnres")
+    except ImportError as e:
+        print(f"lm_eval_cli: lm-evaluation-harness is not installed ({e}); pip install 'lm-eval==0.4.13'", file=sys.stderr)
+        raise SystemExit(2) from None
+    sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

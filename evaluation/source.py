@@ -1,0 +1,97 @@
+"""What an evaluation command evaluates: a checkpoint folder or file, or an MLflow run.
+
+Resolves the command-line argument once into the model, its config, the MLflow run to log
+results into (when there is one) and the run's data settings.
+
+Design decisions:
+- The run's validation split is rebuilt from the config: `data` (and `train.seq_len`) in the
+  checkpoint's config.json when run.py stored them there, else the run's `config/resolved.yaml`
+  artifact, else the data defaults (the stdlib corpus) with the model's max_seq_len, said on
+  stderr. `--data key=value` overrides any field, for a checkpoint whose data lives elsewhere.
+- Results go to the run named on the command line, or to `--log-to RUN_ID` for a folder; a folder
+  alone is evaluated without logging.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from attnres.io import CheckpointError, load, parse_run_reference
+
+
+@dataclass
+class Source:
+    model: object  # attnres.DecoderLM, in eval mode
+    config: dict
+    label: str  # what the user typed
+    run_id: Optional[str]  # the MLflow run that results are logged into, if any
+    tracking_uri: Optional[str]
+
+
+def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_to: Optional[str] = None) -> Source:
+    """Load the checkpoint or run `arg`; raise CheckpointError with one line if it cannot be."""
+    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if log_to is not None and parse_run_reference(log_to) is None:
+        raise CheckpointError(f"--log-to {log_to!r}: not an MLflow run id (32 hex characters)")
+    model, config = load(arg, device=device, tracking_uri=tracking_uri)
+    run = None if Path(arg).expanduser().exists() else parse_run_reference(arg)
+    run_id = parse_run_reference(log_to)[0] if log_to else (run[0] if run else None)
+    if run and not isinstance(config.get("data"), dict):
+        config = {**config, **_resolved_run_config(run[0], tracking_uri)}
+    return Source(model, config, arg, run_id, tracking_uri)
+
+
+def data_settings(source: Source, overrides: Optional[list[str]] = None, seq_len: Optional[int] = None):
+    """(DataConfig, seq_len) of the run's validation split, with `key=value` overrides applied."""
+    from harness.data import DataConfig
+
+    node = dict(source.config.get("data") or {})
+    if not node and not overrides:
+        print(f"evaluation: {source.label} records no data settings; using the defaults (stdlib corpus)", file=sys.stderr)
+    fields = {f.name: f for f in dataclasses.fields(DataConfig)}
+    node = {k: v for k, v in node.items() if k in fields}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise CheckpointError(f"--data {item!r}: expected key=value with key one of {', '.join(fields)}")
+        node[key] = _parse_value(value)
+    try:
+        cfg = DataConfig(**node)
+    except TypeError as e:
+        raise CheckpointError(f"{source.label}: invalid data settings: {e}") from None
+    train = source.config.get("train") if isinstance(source.config.get("train"), dict) else {}
+    seq_len = seq_len or train.get("seq_len") or source.model.config.max_seq_len
+    if seq_len > source.model.config.max_seq_len:
+        raise CheckpointError(f"seq_len={seq_len} exceeds the model's max_seq_len={source.model.config.max_seq_len}")
+    return cfg, int(seq_len)
+
+
+def _resolved_run_config(run_id: str, tracking_uri: Optional[str]) -> dict:
+    """`data` and `train` from the run's config/resolved.yaml artifact, or {} when it has none."""
+    import mlflow
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="attnres-eval-") as tmp:
+        try:
+            path = mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path="config/resolved.yaml", dst_path=tmp, tracking_uri=tracking_uri
+            )
+            resolved = yaml.safe_load(Path(path).read_text()) or {}
+        except Exception:  # no such artifact: the caller falls back to defaults and says so
+            return {}
+    return {k: resolved[k] for k in ("data", "train") if isinstance(resolved.get(k), dict)}
+
+
+def _parse_value(text: str):
+    """`--data` values as YAML scalars/lists (numbers, null, [1,2]), like Hydra overrides."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text

@@ -1,0 +1,187 @@
+"""`python -m evaluation`: held-out metrics, the probe, lm-eval tasks, and results in the MLflow run."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnres
+from attnres import DecoderLM, ModelConfig, ResidualConfig
+from evaluation.cli import main
+
+mlflow = pytest.importorskip("mlflow")
+ROOT = Path(__file__).resolve().parents[1]
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny checkpoint whose config names a small text corpus, logged as an MLflow run."""
+    tmp = tmp_path_factory.mktemp("evalcli")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the value of x{i % 7} is {i * i % 97}\n" for i in range(700)))
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(d_model=32, layers=2, n_heads=2, max_seq_len=64), ResidualConfig(name="block", block_size=2))
+    ck = tmp / "ck"
+    attnres.save_pretrained(model, ck, extra={"data": {"name": "text", "path": str(corpus)},
+                                                "train": {"seq_len": SEQ, "micro_batch_size": 4, "eval_batches": 2}})
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    client = mlflow.tracking.MlflowClient(uri)
+    # Artifacts under tmp: the default artifact root is ./mlruns in the working directory.
+    run = client.create_run(client.create_experiment("eval-test", artifact_location=(tmp / "artifacts").as_uri()))
+    client.log_artifacts(run.info.run_id, str(ck), "model")
+    client.set_terminated(run.info.run_id)  # a finished training run, as run.py leaves it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ATTNRES_CACHE", "off")  # the corpus is tokenised afresh, nothing written to ~/.cache
+        yield {"tmp": tmp, "ck": ck, "uri": uri, "run_id": run.info.run_id, "model": model.eval(), "corpus": corpus}
+
+
+def metrics_of(setup):
+    return mlflow.tracking.MlflowClient(setup["uri"]).get_run(setup["run_id"]).data.metrics
+
+
+def artifacts_of(setup, folder):
+    client = mlflow.tracking.MlflowClient(setup["uri"])
+    return sorted(a.path for a in client.list_artifacts(setup["run_id"], folder))
+
+
+def test_heldout_loss_and_bits_per_byte_into_the_run(setup, capsys):
+    from harness.data import DataConfig, load_data, val_batches
+
+    assert main([setup["run_id"], "--tracking-uri", setup["uri"], "--batch-size", "4"]) == 0
+    printed = capsys.readouterr().out
+    # The same windows training validates on, scored directly.
+    val = load_data(DataConfig(name="text", path=str(setup["corpus"])), SEQ).val
+    nats = count = 0
+    with torch.no_grad():
+        for x, y in val_batches(val, 4, SEQ):
+            logits = setup["model"](x)[0]
+            nats += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+            count += y.numel()
+    m = metrics_of(setup)
+    assert m["eval/heldout/loss"] == pytest.approx(nats / count, rel=1e-5)
+    assert m["eval/heldout/bits_per_byte"] == pytest.approx(nats / count / math.log(2), rel=1e-5)  # bytes: 1 token = 1 byte
+    assert m["eval/heldout/tokens"] == count
+    assert "eval/heldout/loss" in printed
+    assert artifacts_of(setup, "eval") == ["eval/heldout.json"]
+    run = mlflow.tracking.MlflowClient(setup["uri"]).get_run(setup["run_id"])
+    assert run.info.status == "FINISHED"  # evaluating does not reopen the training run
+
+
+def test_as_training_scores_trainings_validation_set(setup, tmp_path):
+    out = tmp_path / "r.json"
+    assert main([str(setup["ck"]), "--as-training", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["metrics"]["heldout/tokens"] == 4 * 2 * SEQ  # micro_batch_size × eval_batches
+
+
+def test_probe_per_hop_count(setup, tmp_path):
+    out = tmp_path / "r.json"
+    assert main([str(setup["ck"]), "--probe", "--skip-heldout", "--probe-max-per-hop", "3", "--output", str(out)]) == 0
+    got = json.loads(out.read_text())["metrics"]
+    assert set(got) == {"multihop/acc", "multihop/acc_hop1", "multihop/acc_hop2", "multihop/acc_hop3", "multihop/acc_hop4"}
+    assert all(0.0 <= v <= 1.0 for v in got.values())
+
+
+TASKS = {
+    "tiny_mc": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+""",
+    "tiny_rolling": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: bits_per_byte
+""",
+    "tiny_generate": """output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{choices[label]}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 4
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+def write_tasks(folder: Path) -> None:
+    """Three offline lm-eval tasks over a local JSONL: one per request type the adapter serves."""
+    docs = [
+        {"question": "line 3: the value of x3 is", "choices": [" 9", " 4"], "label": 0, "text": "line 5: the value of x5 is 25\n"},
+        {"question": "line 4: the value of x4 is", "choices": [" 7", " 16"], "label": 1, "text": "line 6: the value of x6 is 36\n"},
+        {"question": "line 2: the value of x2 is", "choices": [" 4", " 1"], "label": 0, "text": "line 7: the value of x0 is 49\n"},
+    ]
+    data = folder / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for name, body in TASKS.items():
+        head = (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  cache_dir: {folder / 'hf'}\n"
+                f"  data_files:\n    test: {data}\ntest_split: test\n")
+        (folder / f"{name}.yaml").write_text(head + body)
+
+
+def test_offline_lm_eval_tasks_end_to_end_into_mlflow(setup, monkeypatch, capsys):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'lm-eval==0.4.13')")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks = setup["tmp"] / "tasks"
+    tasks.mkdir()
+    write_tasks(tasks)
+    code = main([
+        setup["run_id"], "--tracking-uri", setup["uri"], "--skip-heldout", "--tasks", ",".join(TASKS),
+        "--include-path", str(tasks), "--bootstrap-iters", "10",
+    ])
+    assert code == 0, capsys.readouterr().err
+    m = metrics_of(setup)
+    for key in ("tiny_mc/acc", "tiny_rolling/word_perplexity", "tiny_rolling/bits_per_byte", "tiny_generate/exact_match"):
+        assert f"eval/{key}" in m, sorted(m)
+    assert 0.0 <= m["eval/tiny_mc/acc"] <= 1.0 and m["eval/tiny_rolling/bits_per_byte"] > 0
+    assert "eval/lm_eval.json" in artifacts_of(setup, "eval")
+    local = mlflow.artifacts.download_artifacts(run_id=setup["run_id"], artifact_path="eval/lm_eval.json",
+                                                dst_path=str(setup["tmp"] / "dl"), tracking_uri=setup["uri"])
+    results = json.loads(Path(local).read_text())
+    assert results["results"]["tiny_mc"]["acc,none"] == m["eval/tiny_mc/acc"]
+
+
+def test_lm_eval_cli_wrapper_knows_attnres(setup, tmp_path):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    write_tasks(tasks)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "PYTHONPATH": str(ROOT), "ATTNRES_CACHE": "off"}
+    out = subprocess.run(
+        [sys.executable, "-m", "evaluation.lm_eval_cli", "--model", "attnres", "--model_args", f"pretrained={setup['ck']}",
+         "--tasks", "tiny_mc", "--include_path", str(tasks), "--limit", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tiny_mc" in out.stdout and "acc" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["/no/such/checkpoint"], "no such file or folder"),
+        (["0123456789abcdef0123456789abcdef"], "0123456789abcdef0123456789abcdef"),
+        (["{ck}", "--data", "name=nope"], "data.name='nope'"),
+        (["{ck}", "--data", "colour=red"], "--data 'colour=red'"),
+        (["{ck}", "--seq-len", "999"], "max_seq_len=64"),
+        (["{ck}", "--skip-heldout"], "nothing to evaluate"),
+        (["{ck}", "--log-to", "my-run"], "--log-to 'my-run'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(setup, capsys, monkeypatch, argv, message):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", setup["uri"])
+    assert main([a.replace("{ck}", str(setup["ck"])) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("evaluation: ")

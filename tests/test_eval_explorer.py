@@ -1,0 +1,166 @@
+"""The depth-map explorer: its data are the model's weights, and the page draws them in a browser."""
+import array
+import base64
+import html
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attnres
+from attnres import DecoderLM, ModelConfig, ResidualConfig
+from evaluation.explorer import depth_weights, explorer_data, layout, main
+from evaluation.tokenizer import ByteTokenizer
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium chromium-driver; .ci/run does)"
+)
+
+
+def tiny(name, layers=2, block_size=2):
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(d_model=32, layers=layers, n_heads=2, max_seq_len=64), ResidualConfig(name=name, block_size=block_size))
+    with torch.no_grad():  # non-uniform weights, as after training
+        for p in model.residual.parameters():
+            p.add_(torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("explorer")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
+    attnres.save_pretrained(tiny("block", layers=3), tmp / "ck", extra={"data": {"name": "text", "path": str(corpus)}})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ATTNRES_CACHE", "off")
+        yield tmp / "ck"
+
+
+def unpack(prompt, rows, cols):
+    """The page's decoding, in Python: little-endian uint16 / 65535, laid out (reader, token, source)."""
+    values = array.array("H", base64.b64decode(prompt["weights"]))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return (torch.tensor(values.tolist(), dtype=torch.float32) / 65535).view(rows, -1, cols)
+
+
+@pytest.mark.parametrize("name, block_size", [("block", 2), ("full", 2), ("sliding_window", 2), ("block_multihead", 3)])
+def test_data_are_the_models_weights(name, block_size):
+    model = tiny(name, layers=3, block_size=block_size)
+    ids = list(b"def f(x):\n    return x\n")
+    data = explorer_data(model, [("p", ids)], ByteTokenizer(), "t", "s")
+    R, C = len(data["rows"]), len(data["cols"])
+    want = depth_weights(model, torch.tensor([ids]))[:, 0]
+    assert want.shape == (R, len(ids), C)
+    torch.testing.assert_close(unpack(data["prompts"][0], R, C), want.float(), atol=1e-4, rtol=0)
+    visible = torch.tensor([c == "1" for c in data["visible"]]).view(R, C)
+    assert torch.equal(visible, model.residual.visibility())
+    assert (want[~visible[:, None, :].expand_as(want)] == 0).all()
+    assert data["rows"][-1]["kind"] == "out" and [r["kind"] for r in data["rows"][:2]] == ["attn", "mlp"]
+    assert data["prompts"][0]["tokens"][9] == "⏎"
+
+
+def test_block_boundaries():
+    lay = layout(tiny("block", layers=3, block_size=4))  # 6 sublayers, S = 4: blocks 0-3 and 4-5
+    assert [c["label"] for c in lay["cols"]] == ["emb", "b1", "b2"]
+    assert lay["row_bounds"] == [3, 5]
+    lay = layout(tiny("full", layers=3))
+    assert lay["row_bounds"] == [1, 3, 5] and lay["cols"][1]["label"] == "A0" and lay["cols"][2]["label"] == "M0"
+
+
+def test_command_writes_a_page_and_refuses_variants_without_depth_weights(checkpoint, tmp_path, capsys):
+    out = tmp_path / "sub" / "depth.html"
+    assert main([str(checkpoint), "--out", str(out), "--prompts", "3", "--length", "32", "--text", "x = 1</script>"]) == 0
+    page = out.read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="depth-data">(.*?)</script>', page, re.S).group(1))
+    assert len(data["prompts"]) == 4 and all(len(p["tokens"]) == 32 for p in data["prompts"][:3])
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page  # nothing to fetch
+    attnres.save_pretrained(tiny("baseline"), tmp_path / "base")
+    capsys.readouterr()
+    assert main([str(tmp_path / "base"), "--out", str(tmp_path / "b.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'baseline' has no attention over depth" in err and len(err.splitlines()) == 1
+
+
+def test_logged_into_the_mlflow_run(checkpoint, tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.tracking.MlflowClient(uri)
+    run = client.create_run(client.create_experiment("explorer", artifact_location=(tmp_path / "artifacts").as_uri()))
+    client.log_artifacts(run.info.run_id, str(checkpoint), "model")
+    assert main([run.info.run_id, "--tracking-uri", uri, "--out", str(tmp_path / "d.html"), "--prompts", "2"]) == 0
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "explorer")] == ["explorer/depth.html"]
+
+
+def chromium(tmp_path, url, *extra):
+    """Run headless Chromium once; return (stdout, stderr)."""
+    args = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr", "--v=0", "--force-device-scale-factor=1", "--window-size=1280,1400",
+        *extra, url,
+    ]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=90)
+    return out.stdout, out.stderr
+
+
+def console_lines(stderr):
+    """The page's console output: Chromium logs every console message and uncaught error as CONSOLE."""
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+def coloured(png, box=None):
+    """How many pixels of the (cropped) screenshot are clearly coloured rather than grey or white."""
+    from PIL import Image
+
+    image = Image.open(png).convert("RGB")
+    if box:
+        image = image.crop(box)
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(-1, 3).int()
+    return int(((pixels.max(1).values - pixels.min(1).values) > 40).sum()), image.size[0] * image.size[1]
+
+
+@needs_chromium
+def test_page_renders_in_headless_chromium(checkpoint, tmp_path):
+    page = tmp_path / "depth.html"
+    assert main([str(checkpoint), "--out", str(page), "--prompts", "2", "--length", "40"]) == 0
+    dom, err = chromium(tmp_path, page.as_uri(), "--dump-dom")
+    body = re.search(r"<body([^>]*)>", dom).group(1)
+    attrs = dict(re.findall(r'data-([\w-]+)="([^"]*)"', body))
+    assert attrs["ready"] == "1" and attrs["errors"] == "0", attrs
+    assert console_lines(err) == []
+    assert int(attrs["cells"]) == sum(c == "1" for c in json.loads(
+        re.search(r'id="depth-data">(.*?)</script>', page.read_text(), re.S).group(1))["visible"])
+
+    shot = tmp_path / "shot.png"
+    _, err = chromium(tmp_path, page.as_uri(), f"--screenshot={shot}")
+    assert shot.exists() and console_lines(err) == []
+    x, y, w, h = map(int, attrs["heat-rect"].split(","))
+    n, area = coloured(shot, (x, y, x + w, y + h))
+    # 7 readers x 4 columns, 19 visible: the visible cells are painted in colour.
+    assert n > 0.5 * area, f"heat map mostly blank: {n} of {area} pixels coloured"
+    n_page, _ = coloured(shot)
+    assert n_page > n  # the legend, bars and token strip are drawn too
+
+
+@needs_chromium
+def test_page_works_in_mlflows_sandboxed_iframe(checkpoint, tmp_path):
+    """MLflow shows an HTML artifact in <iframe sandbox="allow-scripts">: no storage, no same origin."""
+    page = tmp_path / "depth.html"
+    assert main([str(checkpoint), "--out", str(page), "--prompts", "1", "--length", "40"]) == 0
+    host = tmp_path / "host.html"
+    host.write_text(
+        '<!DOCTYPE html><html><body style="margin:0"><iframe sandbox="allow-scripts" width="1260" height="1300" '
+        f'style="border:0" srcdoc="{html.escape(page.read_text(), quote=True)}"></iframe></body></html>'
+    )
+    shot = tmp_path / "host.png"
+    _, err = chromium(tmp_path, host.as_uri(), f"--screenshot={shot}")
+    assert console_lines(err) == []
+    n, _ = coloured(shot)
+    assert n > 10000, f"only {n} coloured pixels: the page's script did not draw inside the sandbox"

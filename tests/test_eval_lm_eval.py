@@ -1,0 +1,127 @@
+"""The lm-eval model `attnres`: its scores are the model's own log-probabilities."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'lm-eval==0.4.13')")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+
+from attnres import DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
+from evaluation.lm_eval_adapter import AttnResLM  # noqa: E402
+from evaluation.tokenizer import ByteTokenizer, TokenizerError, tokenizer_for  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = DecoderLM(ModelConfig(d_model=32, layers=2, n_heads=2, max_seq_len=24), ResidualConfig(name="block", block_size=2))
+    with torch.no_grad():
+        for p in m.residual.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return m.eval()
+
+
+def request(kind, args, i=0):
+    return Instance(request_type=kind, doc={}, arguments=args, idx=i)
+
+
+def direct_logprob(model, context_ids, continuation_ids):
+    """Σ log p(continuation token | everything before it), one unpadded forward pass."""
+    ids = torch.tensor([context_ids + continuation_ids])
+    with torch.no_grad():
+        logp = F.log_softmax(model(ids[:, :-1])[0].float(), -1)[0]
+    n = len(continuation_ids)
+    target = ids[0, -n:]
+    picked = logp[-n:].gather(-1, target[:, None])
+    return float(picked.sum()), bool((logp[-n:].argmax(-1) == target).all())
+
+
+def test_registered_under_attnres():
+    assert get_model("attnres") is AttnResLM
+
+
+def test_loglikelihood_is_the_sum_of_token_logprobs(model):
+    lm = AttnResLM(pretrained=model, batch_size=2)
+    pairs = [("The cat sat on", " the mat"), ("x", "yz"), ("def f(x):\n   ", " return x"), ("", "hello")]
+    got = lm.loglikelihood([request("loglikelihood", p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
+    tok = ByteTokenizer()
+    for (context, continuation), (logprob, greedy) in zip(pairs, got, strict=True):
+        if context:
+            # TemplateLM moves the context's trailing spaces onto the continuation.
+            stripped = context.rstrip()
+            ctx, cont = tok.encode(stripped), tok.encode(context[len(stripped):] + continuation)
+        else:
+            ctx, cont = [ord("\n")], tok.encode(continuation)  # empty context: the prefix token
+        want, want_greedy = direct_logprob(model, ctx, cont)
+        assert logprob == pytest.approx(want, abs=1e-4) and greedy == want_greedy
+
+
+def test_long_requests_keep_the_last_max_length_tokens(model):
+    lm = AttnResLM(pretrained=model)
+    context, continuation = "a long context, " * 4 + "and", " end"
+    (logprob, _), = lm.loglikelihood([request("loglikelihood", (context, continuation))], disable_tqdm=True)
+    ids = list((context + continuation).encode())[-(lm.max_length + 1):]
+    want, _ = direct_logprob(model, ids[:-4], ids[-4:])
+    assert logprob == pytest.approx(want, abs=1e-4)
+
+
+def test_rolling_loglikelihood_covers_every_token(model):
+    lm = AttnResLM(pretrained=model)
+    short, long = "short text", "a text longer than the window " * 2
+    got = lm.loglikelihood_rolling([request("loglikelihood_rolling", (short,)), request("loglikelihood_rolling", (long,))], disable_tqdm=True)
+    want_short, _ = direct_logprob(model, [ord("\n")], list(short.encode()))
+    assert got[0] == pytest.approx(want_short, abs=1e-4)
+    # Every token is predicted once, in windows of max_length tokens, each conditioned on as much
+    # of the text before it (prefix token included) as fits in the model's window.
+    ids, L, total = list(long.encode()), lm.max_length, 0.0
+    for start in range(0, len(ids), L):
+        pred = ids[start : start + L]
+        before = ([ord("\n")] + ids)[: start + 1]
+        total += direct_logprob(model, before[-(L + 1 - len(pred)):], pred)[0]
+    assert got[1] == pytest.approx(total, abs=1e-3)
+
+
+def test_generate_until_is_greedy_and_stops(model):
+    lm = AttnResLM(pretrained=model, max_gen_toks=12)
+    context = "abc"
+    ids = list(context.encode())
+    for _ in range(12):  # greedy decoding, done by hand
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids[-lm.max_length:]]))[0][0, -1].argmax()))
+    greedy = bytes(ids[3:]).decode("utf-8", errors="ignore")
+    out = lm.generate_until([request("generate_until", (context, {"until": [], "max_gen_toks": 12}))], disable_tqdm=True)
+    assert out == [greedy]
+    stop = greedy[4:6]
+    if stop and greedy.find(stop) > 0:
+        cut = lm.generate_until([request("generate_until", (context, {"until": [stop], "max_gen_toks": 12}))], disable_tqdm=True)
+        assert cut == [greedy[: greedy.find(stop)]]
+
+
+def test_tokenizer_choice():
+    assert tokenizer_for(256).name == "bytes" and tokenizer_for(512).name == "bytes"
+    with pytest.raises(TokenizerError, match="vocab_size=100"):
+        tokenizer_for(100)
+    with pytest.raises(TokenizerError, match="allowed"):
+        tokenizer_for(256, "sentencepiece")
+    try:  # GPT-2 BPE needs tiktoken and, on first use, its BPE files: either it works or says why
+        assert tokenizer_for(50304).name == "gpt2"
+    except TokenizerError as e:
+        assert "tiktoken" in str(e) and "\n" not in str(e)
+
+
+def test_a_custom_tokenizer_object(model):
+    """The adapter only needs encode / decode / eot_id / name: BPE goes through the same code."""
+
+    class EveryOtherByte(ByteTokenizer):
+        name = "toy"
+
+        def encode(self, text):
+            return [b for b in text.encode() if b % 2 == 0]
+
+    lm = AttnResLM(pretrained=model, tokenizer=EveryOtherByte())
+    (logprob, _), = lm.loglikelihood([request("loglikelihood", ("hello", " world"))], disable_tqdm=True)
+    ctx = [b for b in b"hello" if b % 2 == 0]
+    cont = [b for b in b"hello world" if b % 2 == 0][len(ctx):]
+    assert logprob == pytest.approx(direct_logprob(model, ctx, cont)[0], abs=1e-4)
