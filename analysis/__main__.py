@@ -1,0 +1,99 @@
+"""Command line: ``python -m analysis {report,export} ...``.
+
+Exit status: 0 on success; 2 on bad input (missing file, unknown experiment, no runs, bad
+arguments), with one line on stderr naming the problem; 1 when the report was written but a
+section failed (the sections that failed are named).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .runs import AnalysisInputError, export_snapshot, import_snapshot, load_runset
+
+
+def _role(text: str) -> tuple[str, str]:
+    from .report import ROLES
+
+    sweep, sep, role = text.partition("=")
+    if not sep or role not in ROLES:
+        raise argparse.ArgumentTypeError(f"expected SWEEP=SECTION with SECTION one of "
+                                         f"{', '.join(ROLES)}")
+    return sweep, role
+
+
+def _source(p: argparse.ArgumentParser, snapshot: bool):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tracking-uri", help="MLflow tracking URI, e.g. sqlite:///mlflow.db")
+    if snapshot:
+        src.add_argument("--snapshot", help="run CSV written by `export` (instead of MLflow)")
+    p.add_argument("--experiment", action="append", default=[], metavar="NAME",
+                   help="MLflow experiment (= sweep name); repeat for several; default: all")
+    p.add_argument("--filter", default="", metavar="MLFLOW_FILTER",
+                   help="MLflow filter string, e.g. \"tags.attnres.variant = 'block'\"")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m analysis",
+        description="Attention Residuals runs → the paper's tables and figures beside ours, and "
+                    "REPORT.md (docs/ANALYSIS.md).")
+    sub = ap.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report", help="tables, figures and REPORT.md from runs")
+    _source(rep, snapshot=True)
+    rep.add_argument("--out", required=True, help="output folder (e.g. results/)")
+    rep.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    rep.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    rep.add_argument("--multiplier-at", type=float, default=None, metavar="PFLOPS_DAYS",
+                     help="compute at which the multiplier is read (default: largest scaling run)")
+    rep.add_argument("--role", type=_role, action="append", default=[], metavar="SWEEP=SECTION",
+                     help="assign a sweep to a section (ablation, block_size, scaling, arch)")
+    rep.add_argument("--paper-dir", default=None, help="folder of the paper's CSVs "
+                     "(default: results/paper of this repository)")
+    exp = sub.add_parser("export", help="snapshot runs into a CSV (+ history and instrumentation)")
+    _source(exp, snapshot=False)
+    exp.add_argument("--out", required=True, help="CSV path, e.g. results/runs.csv")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if Path(args.out).exists() and (Path(args.out).is_dir() == (args.command == "export")):
+            kind = "a folder" if args.command == "export" else "a file"
+            raise AnalysisInputError(f"--out {args.out} is {kind}")
+        if args.command == "report":  # check options before the (slow) loading of runs
+            if args.n_boot < 0:
+                raise AnalysisInputError("--n-boot must be >= 0")
+            if args.multiplier_at is not None and not args.multiplier_at > 0:
+                raise AnalysisInputError("--multiplier-at must be a positive compute in "
+                                         "PFLOP/s-days")
+        if getattr(args, "snapshot", None):
+            if args.experiment or args.filter:
+                raise AnalysisInputError("--experiment and --filter apply to --tracking-uri, "
+                                         "not to --snapshot")
+            runset = import_snapshot(args.snapshot)
+        else:
+            runset = load_runset(args.tracking_uri, args.experiment, args.filter)
+        if args.command == "export":
+            paths = export_snapshot(runset, args.out)
+            print(f"wrote {len(runset.runs)} runs to {', '.join(map(str, paths))}")
+            return 0
+        from .report import Options, build_report
+
+        opts = Options(n_boot=args.n_boot, seed=args.seed, multiplier_at=args.multiplier_at,
+                       roles=dict(args.role), paper_dir=args.paper_dir)
+        path, errors = build_report(runset, args.out, opts)
+    except AnalysisInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    if errors:
+        print(f"error: {len(errors)} section(s) failed: " + "; ".join(errors), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The ``report`` command: runs → every table, figure and ``REPORT.md`` in one folder.
+
+Which runs feed which section is decided by the sweep name (``sweep.name``, one MLflow experiment
+per sweep), the names of the harness's ready sweeps: ``ablation`` (Table 4), ``block_size``
+(Fig. 6), ``scaling`` (Fig. 4) and ``arch`` (Fig. 7). A sweep whose name starts with one of these
+(``scaling_gpu``) goes to that section; ``--role SWEEP=SECTION`` assigns any other. Runs of no
+known sweep (ad-hoc runs, ``python run.py -m residual=...``) still get an ablation-style table
+when there is no ablation sweep, restricted to the model configuration with the most runs so the
+comparison stays like for like.
+
+Only FINISHED runs enter the statistics; every other run is listed in the report with its status
+and failure reason, never dropped silently. A section whose data is missing says so; a section
+that fails with an error is reported as such and the command exits non-zero after writing
+everything else.
+
+The report is deterministic for a given input and seed (no timestamps, seeded bootstrap), so
+``REPORT.md`` and the tables regenerate identically from a snapshot.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from . import ablation as abl
+from . import sections as sec
+from .paper import load_paper
+from .runs import RunSet
+
+ROLES = ("ablation", "block_size", "scaling", "arch")
+
+
+@dataclass
+class Options:
+    n_boot: int = 1000
+    seed: int = 0
+    level: float = 0.95
+    multiplier_at: float | None = None  # PFLOP/s-days; None: our largest scaling run
+    roles: dict[str, str] = field(default_factory=dict)  # sweep name -> section
+    paper_dir: Path | None = None
+
+
+def assign_roles(runs: pd.DataFrame, overrides: dict[str, str] | None = None) -> pd.Series:
+    """Section of each run: an explicit override for its sweep, else the known sweep name its
+    sweep starts with, else ``other``."""
+    overrides = overrides or {}
+
+    def role(sweep):
+        if sweep in overrides:
+            return overrides[sweep]
+        s = str(sweep or "")
+        return next((r for r in ROLES if s.startswith(r)), "other")
+
+    return runs["sweep"].map(role)
+
+
+def _config_key(runs) -> pd.Series:
+    """model/d_model/layers/tokens of each run as one string ("?" where not logged)."""
+    def text(x):
+        return "?" if pd.isna(x) else f"{x:g}" if isinstance(x, float) else str(x)
+
+    cols = ["model", "d_model", "layers", "tokens"]
+    return runs[cols].apply(lambda c: c.map(text)).agg("/".join, axis=1)
+
+
+def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    sel = fin[fin["section"] == "ablation"]
+    if len(sel):
+        return sel, ""
+    # Optuna trials are a search over hyper-parameters, not replicates of one configuration.
+    other = fin[(fin["section"] == "other") & (fin["role"] != "trial")]
+    if other.empty:
+        return other, ""
+    key = _config_key(other)
+    top = key.value_counts().sort_index().idxmax() if key.nunique() > 1 else key.iloc[0]
+    chosen = other[key == top]
+    note = ("No `ablation` sweep: this table compares the finished runs of other sweeps "
+            f"({', '.join(sorted(chosen['sweep'].unique()))})")
+    if key.nunique() > 1:
+        note += (f", restricted to the model configuration with the most runs "
+                 f"(model/d_model/layers/tokens = {top}; {key.nunique()} configurations present)")
+    return chosen, note + "."
+
+
+def _inputs(runset: RunSet, roles: pd.Series, opts: Options) -> str:
+    runs = runset.runs
+    lines = [f"Source: {runset.source}. {len(runs)} training runs in "
+             f"{runs['experiment'].nunique()} experiment(s); bootstrap: {opts.n_boot} resamples, "
+             f"seed {opts.seed}; intervals at {int(opts.level * 100)}%.\n"]
+    counts = (runs.assign(section=roles).groupby(["sweep", "section", "status"]).size()
+              .rename("runs").reset_index())
+    lines.append(abl.to_markdown(counts))
+    bad = runs[runs["status"] != "FINISHED"]
+    if len(bad):
+        show = bad[["run_id", "sweep", "variant", "model", "seed", "status", "failure"]].copy()
+        show["run_id"] = show["run_id"].str[:12]
+        show["seed"] = show["seed"].map(lambda x: "–" if pd.isna(x) else f"{x:g}")
+        show["failure"] = show["failure"].map(
+            lambda f: "–" if f is None else f if len(f) <= 200 else f[:199] + "…")
+        lines.append(f"\n**{len(bad)} run(s) did not finish** and are left out of every "
+                     "statistic:\n")
+        lines.append(abl.to_markdown(show.fillna("–")))
+    else:
+        lines.append("\nEvery run finished.\n")
+    return "\n".join(lines)
+
+
+def _summary(sections) -> str:
+    rows = [(s.title, c) for s in sections for c in s.claims]
+    if not rows:
+        return "No claim of the paper could be checked with these runs.\n"
+    df = pd.DataFrame([{"Section": t, "Paper's claim": c.claim, "Ours": c.ours,
+                        "Verdict": c.verdict} for t, c in rows])
+    n = df["Verdict"].value_counts()
+    head = (f"Of {len(df)} checks, {n.get('agrees', 0)} agree with the paper, "
+            f"{n.get('does not agree', 0)} do not, {n.get('inconclusive', 0)} are inconclusive at "
+            f"our run count and {n.get('not tested', 0)} could not be tested with these runs.\n\n")
+    return head + abl.to_markdown(df)
+
+
+def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path, list[str]]:
+    """Write tables/, figures/ and REPORT.md into ``out``; return (REPORT.md, section errors)."""
+    opts = opts or Options()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paper = load_paper(opts.paper_dir)
+    runs = runset.runs.copy()
+    runs["section"] = assign_roles(runs, opts.roles)
+    fin = runs[runs["status"] == "FINISHED"]
+    abl_runs, abl_note = _ablation_runs(fin)
+    # Figs. 5 and 8 compare variants at one depth: the ablation's runs when there are any.
+    dyn_runs = abl_runs if len(abl_runs) else fin
+
+    jobs = [
+        ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note)),
+        ("Block size (paper Fig. 6)", lambda: sec.block_size_section(
+            fin[fin["section"] == "block_size"], paper, out)),
+        ("Scaling (paper Fig. 4 and Table 2)", lambda: sec.scaling_section(
+            fin[fin["section"] == "scaling"], paper, out, n_boot=opts.n_boot, seed=opts.seed,
+            at=opts.multiplier_at, level=opts.level)),
+        ("Architecture (paper Fig. 7)", lambda: sec.arch_section(fin[fin["section"] == "arch"],
+                                                                 paper, out)),
+        ("Training dynamics (paper Fig. 5)", lambda: sec.dynamics_section(
+            dyn_runs, runset.instrumentation, out)),
+        ("Depth weights (paper Fig. 8)", lambda: sec.depth_section(
+            dyn_runs, runset.instrumentation, out)),
+        ("Training curves", lambda: sec.curves_section(runset, out)),
+    ]
+    sections, errors = [], []
+    for title, job in jobs:
+        try:
+            sections.append(job())
+        except Exception as exc:  # one broken section must not cost the rest of the report
+            msg = f"{title}: {type(exc).__name__}: {exc}"
+            errors.append(msg)
+            traceback.print_exc(file=sys.stderr)
+            sections.append(sec.Section(title, f"**This section failed:** `{msg}`\n"))
+
+    if paper.folder is None:
+        paper_note = "The paper's numbers were not found (results/paper/); paper columns are empty."
+    else:
+        paper_note = ("Paper: Kimi Team, *Attention Residuals*, arXiv 2603.15031 (2026); its "
+                      "numbers are in `results/paper/`.")
+    parts = ["# Attention Residuals: our runs beside the paper\n", paper_note + "\n",
+             "## Runs\n", _inputs(runset, runs["section"], opts),
+             "## Where we agree with the paper and where we do not\n", _summary(sections)]
+    for i, s in enumerate(sections, 1):
+        parts += [f"## {i}. {s.title}\n", s.text]
+    path = out / "REPORT.md"
+    path.write_text("\n".join(p.rstrip("\n") + "\n" for p in parts))
+    return path, errors

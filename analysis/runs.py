@@ -1,0 +1,329 @@
+"""Runs → a tidy pandas frame, metric histories and instrumentation; CSV snapshots of all three.
+
+The contract is ``docs/RUN_SCHEMA.md``: this module reads params, metrics, tags and artifacts by
+the names that document gives and never imports training code. Everything it does not find
+becomes NaN rather than an error, because runs made by older harness versions, ad-hoc runs and
+failed runs all lack pieces, and a report must still be written about them.
+
+Design decisions:
+
+* **One row per training run.** Parent runs of a multirun and Optuna study runs
+  (tag ``attnres.role`` = ``parent`` / ``study``) hold no training and are left out; Optuna trials
+  are kept (they are training runs) with their role in the ``role`` column.
+* **Status is never dropped.** ``status`` is the harness's own ``attnres.status`` tag when present
+  (it knows PRUNED), otherwise MLflow's run status. The analysis uses FINISHED runs and the report
+  lists the others.
+* **A snapshot is three files**, so a report regenerates without the database:
+  ``runs.csv`` (the frame), ``runs.history.csv`` (metric histories, long format) and
+  ``runs.instrumentation.json`` (the latest instrumentation artifact of each run). Floats are
+  written with full precision, so tables made from a snapshot equal those made from the database.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import pandas as pd
+
+PFLOPS_DAY = 8.64e19  # FLOPs in one PFLOP/s-day (1e15 FLOP/s × 86,400 s)
+HISTORY_KEYS = ("val/loss", "val/loss_by_tokens", "train/loss")
+NOT_TRAINING_ROLES = {"parent", "study"}
+
+# column -> (source, key), tried in order; the first one present wins.
+_FIELDS: dict[str, list[tuple[str, str]]] = {
+    "variant": [("tags", "attnres.variant"), ("params", "residual.name")],
+    "model": [("params", "model.name"), ("tags", "attnres.model")],
+    "sweep": [("params", "sweep.name"), ("tags", "attnres.sweep")],
+    "seed": [("params", "train.seed"), ("tags", "attnres.seed")],
+    "block_size": [("params", "residual.block_size")],
+    "num_blocks": [("params", "residual.num_blocks")],
+    "window": [("params", "residual.window")],
+    "residual_heads": [("params", "residual.heads")],
+    # Nominal cell of a generated architecture sweep (the real shape is rounded from it).
+    "arch_d_model_per_layer": [("params", "sweep.arch.d_model_per_layer")],
+    "arch_heads_per_layer": [("params", "sweep.arch.heads_per_layer")],
+    "d_model": [("params", "model.d_model")],
+    "layers": [("params", "model.layers")],
+    "n_heads": [("params", "model.n_heads")],
+    "n_kv_heads": [("params", "model.n_kv_heads")],
+    "d_ff": [("params", "model.d_ff")],
+    "lr": [("params", "optim.lr")],
+    "batch_size": [("params", "train.batch_size")],
+    "seq_len": [("params", "train.seq_len")],
+    "data": [("params", "data.name")],
+    "params_total": [("params", "count.params_total")],
+    "params_embedding": [("params", "count.params_embedding")],
+    "params_non_embedding": [("params", "count.params_non_embedding")],
+    "params_residual": [("params", "count.params_residual")],
+    "flops_per_token": [("params", "count.flops_per_token")],
+    "tokens": [("metrics", "final/tokens"), ("metrics", "train/tokens"),
+               ("params", "train.tokens")],
+    "flops": [("metrics", "final/flops"), ("metrics", "train/flops")],
+    "final_val_loss": [("metrics", "final/val_loss"), ("metrics", "val/loss")],
+    "best_val_loss": [("metrics", "final/val_loss_best")],
+    "train_seconds": [("metrics", "final/train_seconds")],
+    "tokens_per_s": [("metrics", "train/tokens_per_s")],
+    "failure": [("tags", "attnres.failure")],
+    "role": [("tags", "attnres.role")],
+    "parent_run_id": [("tags", "mlflow.parentRunId")],
+    "run_name": [("tags", "mlflow.runName")],
+    "data_fingerprint": [("tags", "attnres.data_fingerprint")],
+}
+TEXT_COLUMNS = ["run_id", "experiment", "sweep", "variant", "model", "status", "failure", "role",
+                "parent_run_id", "run_name", "data", "data_fingerprint"]
+DEPTH_PREFIXES = {"depth/output_rms/block_": "output_rms_block_",
+                  "depth/grad_norm/block_": "grad_norm_block_"}
+
+
+class AnalysisInputError(Exception):
+    """Bad input to the analysis (missing file, unknown experiment, no runs). The CLI prints the
+    message as one line and exits non-zero."""
+
+
+@dataclass
+class RunSet:
+    """What a report is made from: the run frame, histories, instrumentation and their source."""
+
+    runs: pd.DataFrame
+    histories: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(
+        columns=["run_id", "key", "step", "value"]))
+    instrumentation: dict[str, dict] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def finished(self) -> pd.DataFrame:
+        return self.runs[self.runs["status"] == "FINISHED"]
+
+
+# --------------------------------------------------------------------------------------------
+# MLflow
+# --------------------------------------------------------------------------------------------
+def _client(tracking_uri: str):
+    """An MlflowClient for an existing store. MLflow silently creates an empty SQLite database or
+    file store for a path that does not exist, which would turn a typo into "no runs"; so a local
+    store must exist first."""
+    from mlflow.tracking import MlflowClient
+
+    parsed = urlparse(tracking_uri)
+    if parsed.scheme == "sqlite":
+        path = tracking_uri[len("sqlite:///"):] if tracking_uri.startswith("sqlite:///") else ""
+        if not path or not Path(path).is_file():
+            raise AnalysisInputError(f"tracking database not found: {path or tracking_uri}")
+    elif parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme == "file" else tracking_uri
+        if not Path(path).exists():
+            raise AnalysisInputError(f"tracking store not found: {path}")
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _experiments(client, names):
+    from mlflow.entities import ViewType
+
+    if names:
+        out = []
+        for name in names:
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                known = sorted(e.name for e in client.search_experiments(view_type=ViewType.ALL))
+                raise AnalysisInputError(f"unknown experiment {name!r} "
+                                         f"(known: {', '.join(known) or 'none'})")
+            out.append(exp)
+        return out
+    return list(client.search_experiments(view_type=ViewType.ACTIVE_ONLY))
+
+
+def _number(value):
+    if value is None:
+        return np.nan
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return np.nan
+    return x
+
+
+def _text(value):
+    """A text field, with every spelling of "missing" (None, NaN, "None", "") as None."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    value = str(value)
+    return None if value in ("None", "null", "") else value
+
+
+def _row(run, exp_name: str) -> dict:
+    src = {"params": run.data.params, "metrics": run.data.metrics, "tags": run.data.tags}
+    row = {"run_id": run.info.run_id, "experiment": exp_name}
+    for col, options in _FIELDS.items():
+        row[col] = next((src[kind][key] for kind, key in options if key in src[kind]), None)
+    row["status"] = run.data.tags.get("attnres.status") or run.info.status
+    row["start_time"] = run.info.start_time
+    for metric, value in run.data.metrics.items():
+        for prefix, col in DEPTH_PREFIXES.items():
+            if metric.startswith(prefix):
+                row[col + metric[len(prefix):]] = value
+    return row
+
+
+def _tidy(rows: list[dict]) -> pd.DataFrame:
+    """Types, derived columns and a stable order, shared by the MLflow and snapshot paths."""
+    df = pd.DataFrame(rows)
+    for col in list(_FIELDS) + ["status", "start_time"]:
+        if col not in df:
+            df[col] = np.nan
+    for col in df.columns:
+        if col in TEXT_COLUMNS:
+            df[col] = df[col].map(_text).astype(object)
+        else:
+            df[col] = df[col].map(_number).astype(float)
+    df["sweep"] = df["sweep"].where(df["sweep"].notna(), df["experiment"])
+    df["variant"] = df["variant"].where(df["variant"].notna(), "unknown")
+    # FLOPs from the accounting when the run ended before logging them.
+    df["flops"] = df["flops"].where(df["flops"].notna(), df["tokens"] * df["flops_per_token"])
+    df["compute_pfd"] = df["flops"] / PFLOPS_DAY
+    df["d_model_per_layer"] = df["d_model"] / df["layers"]
+    df["heads_per_layer"] = df["n_heads"] / df["layers"]
+    lead = ["run_id", "experiment", "sweep", "variant", "model", "seed", "status", "failure",
+            "final_val_loss", "best_val_loss", "tokens", "flops", "compute_pfd"]
+    depth = sorted(c for c in df.columns if c.startswith(tuple(DEPTH_PREFIXES.values())))
+    rest = [c for c in df.columns if c not in lead and c not in depth]
+    df = df[lead + rest + depth]
+    return df.sort_values(["experiment", "variant", "model", "seed", "run_id"],
+                          na_position="last", kind="mergesort").reset_index(drop=True)
+
+
+def load_runs(tracking_uri: str, experiments=None, filter_string: str = "") -> pd.DataFrame:
+    """The tidy run frame: one row per training run in the given experiments (all if none),
+    optionally narrowed by an MLflow filter string (e.g. ``tags.attnres.sweep = 'scaling'``)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _load_runs(tracking_uri, experiments, filter_string)
+    except MlflowException as exc:
+        # A bad filter, an unreachable server, a database of another program: one line, no trace.
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise AnalysisInputError(f"cannot read runs from {redact(tracking_uri)}: {first}") from None
+
+
+def _load_runs(tracking_uri: str, experiments, filter_string: str) -> pd.DataFrame:
+    from mlflow.entities import ViewType
+
+    client = _client(tracking_uri)
+    exps = _experiments(client, experiments)
+    rows, token = [], None
+    by_id = {e.experiment_id: e.name for e in exps}
+    if by_id:
+        while True:
+            page = client.search_runs(list(by_id), filter_string=filter_string or "",
+                                      run_view_type=ViewType.ACTIVE_ONLY, max_results=5000,
+                                      page_token=token)
+            for run in page:
+                if run.data.tags.get("attnres.role") in NOT_TRAINING_ROLES:
+                    continue
+                rows.append(_row(run, by_id[run.info.experiment_id]))
+            token = page.token
+            if not token:
+                break
+    if not rows:
+        where = ", ".join(sorted(by_id.values())) or "no experiments"
+        raise AnalysisInputError(f"no runs found in {tracking_uri} ({where}"
+                                 + (f"; filter {filter_string!r}" if filter_string else "") + ")")
+    return _tidy(rows)
+
+
+def load_histories(tracking_uri: str, run_ids, keys=HISTORY_KEYS) -> pd.DataFrame:
+    """Metric histories in long format: run_id, key, step, value (sorted by run, key, step)."""
+    client = _client(tracking_uri)
+    rows = []
+    for rid in run_ids:
+        for key in keys:
+            for m in client.get_metric_history(rid, key):
+                rows.append((rid, key, int(m.step), float(m.value)))
+    df = pd.DataFrame(rows, columns=["run_id", "key", "step", "value"])
+    return df.sort_values(["run_id", "key", "step"], kind="mergesort").reset_index(drop=True)
+
+
+def load_instrumentation(tracking_uri: str, run_ids) -> dict[str, dict]:
+    """The latest ``instrumentation/step_*.json`` artifact of each run that has one."""
+    client = _client(tracking_uri)
+    # One progress bar per downloaded file would bury the command's own output.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rid in run_ids:
+            try:
+                files = [f.path for f in client.list_artifacts(rid, "instrumentation")
+                         if f.path.endswith(".json")]
+            except Exception:  # a run whose artifact store is gone still gets a report
+                continue
+            if not files:
+                continue
+            latest = max(files)  # step numbers are zero-padded, so the name sorts by step
+            local = client.download_artifacts(rid, latest, tmp)
+            out[rid] = json.loads(Path(local).read_text())
+    return out
+
+
+def load_runset(tracking_uri: str, experiments=None, filter_string: str = "",
+                history_keys=HISTORY_KEYS) -> RunSet:
+    runs = load_runs(tracking_uri, experiments, filter_string)
+    ids = runs["run_id"].tolist()
+    return RunSet(runs=runs, histories=load_histories(tracking_uri, ids, history_keys),
+                  instrumentation=load_instrumentation(tracking_uri, ids),
+                  source=f"MLflow {redact(tracking_uri)}")
+
+
+def redact(uri: str) -> str:
+    """A tracking URI fit to print in a report: no user or password."""
+    p = urlparse(uri)
+    if p.password or p.username:
+        return uri.replace(p.netloc, p.hostname + (f":{p.port}" if p.port else ""))
+    return uri
+
+
+# --------------------------------------------------------------------------------------------
+# Snapshots
+# --------------------------------------------------------------------------------------------
+def _sidecars(path: Path) -> tuple[Path, Path]:
+    stem = path.with_suffix("")
+    return Path(f"{stem}.history.csv"), Path(f"{stem}.instrumentation.json")
+
+
+def export_snapshot(runset: RunSet, path) -> list[Path]:
+    """Write the run frame to ``path`` and its histories and instrumentation beside it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hist_path, inst_path = _sidecars(path)
+    runset.runs.to_csv(path, index=False, float_format="%.17g")
+    runset.histories.to_csv(hist_path, index=False, float_format="%.17g")
+    inst_path.write_text(json.dumps(runset.instrumentation, sort_keys=True, indent=1))
+    return [path, hist_path, inst_path]
+
+
+def import_snapshot(path) -> RunSet:
+    """Read a snapshot written by :func:`export_snapshot` (the sidecars are optional)."""
+    path = Path(path)
+    if not path.is_file():
+        raise AnalysisInputError(f"snapshot not found: {path}")
+    try:
+        raw = pd.read_csv(path, dtype={c: object for c in TEXT_COLUMNS})
+    except (pd.errors.EmptyDataError, pd.errors.ParserError) as exc:
+        raise AnalysisInputError(f"snapshot {path} is not a run CSV: {exc}") from None
+    missing = [c for c in ("run_id", "variant", "status", "final_val_loss") if c not in raw]
+    if missing:
+        raise AnalysisInputError(f"snapshot {path} lacks columns: {', '.join(missing)}")
+    if raw.empty:
+        raise AnalysisInputError(f"snapshot {path} holds no runs")
+    rows = raw.astype(object).where(raw.notna(), None).to_dict("records")
+    runs = _tidy(rows)
+    hist_path, inst_path = _sidecars(path)
+    histories = (pd.read_csv(hist_path, dtype={"run_id": str, "key": str})
+                 if hist_path.is_file() else RunSet(runs).histories)
+    instrumentation = json.loads(inst_path.read_text()) if inst_path.is_file() else {}
+    return RunSet(runs=runs, histories=histories, instrumentation=instrumentation,
+                  source=f"snapshot {path.name}")

@@ -1,0 +1,85 @@
+"""Snapshot CSVs (analysis/runs.py) without MLflow, and the notebook run on a snapshot."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.runs import AnalysisInputError, RunSet, _tidy, export_snapshot, import_snapshot
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _runset(n_sizes=4) -> RunSet:
+    rows = []
+    for v, A in (("baseline", 1.0), ("block", 0.97)):
+        for i, tokens in enumerate(np.geomspace(1e4, 1e5, n_sizes)):
+            for seed in (0, 1):
+                rows.append({"run_id": f"{v}-{i}-{seed}", "experiment": "scaling", "variant": v,
+                             "sweep": "scaling", "seed": seed, "status": "FINISHED",
+                             "tokens": tokens, "flops_per_token": 6e6,
+                             "final_val_loss": A * (tokens * 6e6 / 8.64e19) ** -0.05 + 0.001 * seed,
+                             "d_model": 64, "layers": 4, "n_heads": 2})
+    rows.append({"run_id": "dead", "experiment": "scaling", "variant": "full", "status": "FAILED",
+                 "failure": "out of memory", "final_val_loss": None})
+    hist = pd.DataFrame({"run_id": ["dead", "dead"], "key": ["val/loss", "val/loss"],
+                         "step": [1, 2], "value": [3.0, 2.5]})
+    return RunSet(_tidy(rows), hist, {"baseline-0-0": {"step": 1, "grad_norm_block": [1.0, 0.5]}})
+
+
+def test_snapshot_round_trip_is_exact(tmp_path):
+    rs = _runset()
+    paths = export_snapshot(rs, tmp_path / "runs.csv")
+    assert [p.name for p in paths] == ["runs.csv", "runs.history.csv", "runs.instrumentation.json"]
+    back = import_snapshot(tmp_path / "runs.csv")
+    pd.testing.assert_frame_equal(back.runs, rs.runs)
+    pd.testing.assert_frame_equal(back.histories, rs.histories)
+    assert back.instrumentation == rs.instrumentation
+    assert back.runs.set_index("run_id").loc["dead", "status"] == "FAILED"
+    assert back.runs["compute_pfd"].notna().sum() == 16  # derived from tokens × FLOPs per token
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("", "is not a run CSV"),
+    ("run_id,variant\nx,baseline\n", "lacks columns: status, final_val_loss"),
+    ("run_id,variant,status,final_val_loss\n", "holds no runs"),
+])
+def test_bad_snapshots(tmp_path, content, needle):
+    p = tmp_path / "runs.csv"
+    p.write_text(content)
+    with pytest.raises(AnalysisInputError, match=needle):
+        import_snapshot(p)
+    with pytest.raises(AnalysisInputError, match="snapshot not found"):
+        import_snapshot(tmp_path / "nope.csv")
+
+
+def test_notebook_runs_on_a_snapshot(tmp_path):
+    """analysis/notebooks/scaling_fits.py is a jupytext percent script: it must execute top to
+    bottom on a snapshot CSV (as CI runs it) and save its figure."""
+    export_snapshot(_runset(), tmp_path / "runs.csv")
+    env = {**os.environ, "ANALYSIS_SNAPSHOT": str(tmp_path / "runs.csv"), "ANALYSIS_N_BOOT": "50",
+           "ANALYSIS_NOTEBOOK_OUT": str(tmp_path / "nb"), "MPLBACKEND": "Agg"}
+    r = subprocess.run([sys.executable, str(REPO / "analysis" / "notebooks" / "scaling_fits.py")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "16 points from snapshot runs.csv" in r.stdout
+    assert (tmp_path / "nb" / "scaling_fits.png").stat().st_size > 1000
+
+
+def test_analysis_never_imports_training_code():
+    """analysis/ reads runs through the MLflow schema only (docs/RUN_SCHEMA.md): no module of it
+    may import attnres or harness, so it runs where only a snapshot CSV exists."""
+    import ast
+
+    for path in (REPO / "analysis").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            assert not [n for n in names if n.split(".")[0] in ("attnres", "harness", "torch")], \
+                f"{path.relative_to(REPO)} imports {names}"
