@@ -7,3 +7,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# Hydra scans the hydra_plugins namespace once per process, the first time any test composes a
+# config, and re-executes the plugin modules it finds in place: classes a test module imported
+# before that scan (the sweeper's SweeperConfigError, say) are then no longer the ones raised.
+# Scanning here, before any test module is imported, makes the order of the tests irrelevant.
+from hydra.core.plugins import Plugins  # noqa: E402
+
+Plugins.instance()

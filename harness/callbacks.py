@@ -1,0 +1,185 @@
+"""The Hydra callback of a multirun: check every job, create the MLflow store once, open the parent.
+
+`on_multirun_start` runs in the launching process before any job:
+1. **Every job's config is composed and validated** (Hydra's basic sweeper: the product of the
+   comma lists; the same composition Hydra does next). A bad value in any job stops the whole
+   multirun with one line and exit code 2 before anything is written — no parent run, no
+   checkpoint folder. The data of each distinct data setting is loaded once too (cached).
+2. **The tracking store is created once**, under the inter-process lock (ECOSYSTEM.md: parallel
+   jobs migrating a fresh SQLite database corrupt it), with the experiment and its
+   model-training tag.
+3. **The parent run** (tag attnres.role=parent) is created, or reopened when the same multirun
+   is started again with train.resume=true (same sweep key: config + sweep arguments), so a
+   resumed multirun's jobs stay children of one parent. Jobs learn its id from the environment
+   variable ATTNRES_PARENT_RUN_ID, which every launcher passes on (in-process, joblib, submitit).
+   No parent is made when the base config names one (tracking.parent_run_id) or when the sweeper
+   manages its own (a sweeper class with `manages_mlflow_runs = True`, e.g. one parent per Optuna
+   study); a parent that ends up with no child is deleted.
+`on_multirun_end` (or, when a job failed and Hydra raises, an atexit hook) ends the parent:
+FINISHED when every child finished, else FAILED, with counts as tags.
+"""
+from __future__ import annotations
+
+import atexit
+import copy
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from harness.config import ConfigError, rank, validate
+from harness.job import PARENT_ENV
+
+log = logging.getLogger(__name__)
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    """The task's view of a composed config (as Hydra's run_job makes it: a deep copy, no `hydra`)."""
+    cfg = copy.deepcopy(cfg)
+    with read_write(cfg), open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg
+
+
+def _sweep_arguments(config: DictConfig) -> list[str]:
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    return [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+
+
+def _is_basic_sweeper(config: DictConfig) -> bool:
+    return str(OmegaConf.select(config, "hydra.sweeper._target_") or "").endswith("BasicSweeper")
+
+
+def _sweeper_manages_runs(config: DictConfig) -> bool:
+    target = str(OmegaConf.select(config, "hydra.sweeper._target_") or "")
+    if not target or _is_basic_sweeper(config):
+        return False
+    from hydra.utils import get_class
+
+    try:
+        return bool(getattr(get_class(target), "manages_mlflow_runs", False))
+    except Exception:  # an unimportable sweeper fails on its own, with its own message
+        return False
+
+
+def job_configs(config: DictConfig) -> list[tuple[list[str], DictConfig]]:
+    """(overrides, composed config) of every job of a basic-sweeper multirun."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    loader = GlobalHydra.instance().config_loader()
+    parser = OverridesParser.create(config_loader=loader)
+    batches = BasicSweeper.split_arguments(parser.parse_overrides(_sweep_arguments(config)), None)
+    return [(list(o), loader.load_sweep_config(config, list(o))) for o in batches[0]]
+
+
+def validate_jobs(config: DictConfig) -> int:
+    """Validate every job (config and data); on the first bad one print one line and exit 2."""
+    from harness.data import DataError, load_data
+
+    jobs = job_configs(config)
+    seen_data = set()
+    for i, (overrides, job_cfg) in enumerate(jobs):
+        where = f"job {i} ({' '.join(overrides) or 'no overrides'})"
+        try:
+            spec = validate(_without_hydra(job_cfg))
+            data_key = json.dumps([OmegaConf.to_container(OmegaConf.structured(spec.cfg.data)),
+                                   spec.cfg.train.seq_len], default=str)
+            if data_key not in seen_data:
+                seen_data.add(data_key)
+                load_data(spec.cfg.data, spec.cfg.train.seq_len)
+        except (ConfigError, DataError) as error:
+            print(f"error: {where}: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
+    return len(jobs)
+
+
+class MLflowMultirunCallback(Callback):
+    def __init__(self) -> None:
+        self.client = None
+        self.parent_id: str | None = None
+        self._atexit = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        n_jobs = validate_jobs(config) if _is_basic_sweeper(config) else None
+        base = _without_hydra(config)
+        if not base.tracking.enabled or rank() != 0:
+            return
+        from harness.tracking import client_for, experiment_id
+
+        uri = base.tracking.uri
+        self.client = client_for(uri)
+        exp_id = experiment_id(self.client, base.tracking.experiment or base.sweep.name, uri)
+        if base.tracking.parent_run_id or _sweeper_manages_runs(config):
+            return
+        arguments = _sweep_arguments(config)
+        key = hashlib.sha256(json.dumps(
+            [sorted(arguments), OmegaConf.to_container(base, resolve=False)], sort_keys=True, default=str
+        ).encode()).hexdigest()[:16]
+        self.parent_id = self._reuse(exp_id, key) if base.train.resume else None
+        if self.parent_id is None:
+            self.parent_id = self._create(exp_id, key, base, arguments, n_jobs)
+        os.environ[PARENT_ENV] = self.parent_id
+        self._atexit = atexit.register(self._finish)
+        print(f"MLflow parent run {self.parent_id} ({uri})", file=sys.stderr)
+
+    def _reuse(self, exp_id: str, key: str) -> str | None:
+        found = self.client.search_runs(
+            [exp_id], filter_string=f"tags.`attnres.sweep_key` = '{key}' and tags.`attnres.role` = 'parent'",
+            order_by=["attributes.start_time DESC"], max_results=1,
+        )
+        if not found:
+            return None
+        run_id = found[0].info.run_id
+        self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(run_id, "attnres.status", "RUNNING")
+        return run_id
+
+    def _create(self, exp_id: str, key: str, base: DictConfig, arguments: list[str], n_jobs) -> str:
+        from mlflow.entities import Param
+
+        name = f"{base.sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run = self.client.create_run(exp_id, run_name=name, tags={
+            "attnres.role": "parent", "attnres.sweep": base.sweep.name, "attnres.sweep_key": key,
+            "attnres.status": "RUNNING",
+        })
+        run_id = run.info.run_id
+        params = [Param("sweep.arguments", " ".join(arguments)[:6000])]
+        if n_jobs is not None:
+            params.append(Param("sweep.jobs", str(n_jobs)))
+        self.client.log_batch(run_id, params=params)
+        self.client.log_text(run_id, OmegaConf.to_yaml(base), "config/multirun.yaml")
+        return run_id
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        if self.parent_id is None:
+            return
+        run_id, self.parent_id = self.parent_id, None
+        if self._atexit is not None:
+            atexit.unregister(self._finish)
+            self._atexit = None
+        os.environ.pop(PARENT_ENV, None)
+        children = self.client.search_runs(
+            [self.client.get_run(run_id).info.experiment_id],
+            filter_string=f"tags.`mlflow.parentRunId` = '{run_id}'", max_results=10000,
+        )
+        if not children:
+            self.client.delete_run(run_id)  # nothing ran under it (e.g. the sweeper parents its own)
+            return
+        statuses = [c.info.status for c in children]
+        done = statuses.count("FINISHED")
+        status = "FINISHED" if done == len(statuses) else "FAILED"
+        self.client.set_tag(run_id, "attnres.status", status)
+        self.client.set_tag(run_id, "attnres.jobs_finished", str(done))
+        self.client.set_tag(run_id, "attnres.jobs_total", str(len(statuses)))
+        self.client.set_terminated(run_id, status=status)

@@ -1,0 +1,150 @@
+"""A run's folder under the checkpoint root: its identity, its lock, its checkpoint and its record.
+
+Design decisions:
+- **Identity = the effective config.** The folder is
+  `<train.checkpoint_dir>/<sweep.name>/<variant>-<model>-s<seed>-<hash>`, the hash taken over
+  the effective config minus the keys that cannot change what a run computes (where it logs,
+  whether a bar is drawn, how often it checkpoints). Rerunning an interrupted command therefore
+  finds its own folder whatever Hydra's (timestamped) output folder is, and a changed learning
+  rate is a different run, never a resumed one.
+- **Atomic writes**: a checkpoint is written to a temporary file in the same folder, flushed to
+  disk, then renamed over `last.pt` (rename is atomic on POSIX and Windows). A crash or a full
+  disk during the write leaves the previous checkpoint intact and loadable.
+- **`run.json`** records the MLflow run id (so a resumed run continues the *same* MLflow run, even
+  when it was killed before its first checkpoint), the status, and once finished the final
+  metrics: rerunning a finished config returns its result without training again.
+- **One process per run folder**: an exclusive lock (fcntl) on `<folder>/.lock`, so two jobs with
+  the same config (a duplicated multirun, a user who started the command twice) cannot write the
+  same checkpoint; the second stops with one line. The lock dies with its process (kill -9 too).
+- Nothing is created before the config and the data have been checked (the job calls `open`
+  only after validation), so a bad command leaves no folder behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.config import flatten
+from harness.resolvers import PROJECT_ROOT
+
+# Keys that do not change what the run computes (prefixes of flattened keys).
+NOT_IDENTITY = (
+    "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
+    "train.log_interval", "train.threads",
+)
+CHECKPOINT = "last.pt"
+RECORD = "run.json"
+
+
+class RunBusy(RuntimeError):
+    """Another live process holds this run's folder."""
+
+
+def run_key(plain: dict[str, Any]) -> str:
+    """A short, stable hash of the config's identity keys."""
+    identity = {k: v for k, v in flatten(plain).items() if not k.startswith(NOT_IDENTITY)}
+    blob = json.dumps(identity, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def run_folder(plain: dict[str, Any]) -> Path:
+    root = Path(plain["train"]["checkpoint_dir"] or PROJECT_ROOT / "checkpoints").expanduser()
+    name = f"{plain['residual']['name']}-{plain['model']['name']}-s{plain['train']['seed']}-{run_key(plain)}"
+    return root.resolve() / _safe(plain["sweep"]["name"]) / _safe(name)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in str(name)) or "_"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # Windows cannot open folders; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call write(tmp_path), fsync it, rename it onto `path`; on any error remove the temp file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock_handle = None
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def acquire(self, fresh: bool) -> RunFolder:
+        """Create (or, with fresh=True, empty) the folder and take its lock. Raises RunBusy."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path / ".lock", "a+")
+        try:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # Windows: no lock
+            pass
+        except OSError:
+            handle.close()
+            raise RunBusy(
+                f"{self.path}: another process is running this exact config; wait for it or kill it"
+            ) from None
+        self._lock_handle = handle
+        if fresh:
+            for child in self.path.iterdir():
+                if child.name != ".lock":
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+        return self
+
+    def release(self) -> None:
+        if self._lock_handle is not None:
+            self._lock_handle.close()  # closing the file drops the flock
+            self._lock_handle = None
+
+    # -- the record (run.json) ------------------------------------------------------------------
+    def record(self) -> dict[str, Any] | None:
+        path = self.path / RECORD
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None  # an unreadable record is a run we cannot continue into; start over
+
+    def write_record(self, **fields: Any) -> dict[str, Any]:
+        record = dict(self.record() or {}, **fields, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        atomic_write(self.path / RECORD, lambda tmp: tmp.write_text(json.dumps(record, indent=1, default=str)))
+        return record
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, state: dict[str, Any]) -> None:
+        atomic_write(self.path / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+
+    def load(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
+        path = self.path / CHECKPOINT
+        if not path.exists():
+            return None
+        # weights_only: tensors, numbers, strings and containers only (the RNG states are stored as
+        # such), so loading a checkpoint never runs pickled code.
+        return torch.load(path, map_location=map_location, weights_only=True)

@@ -1,0 +1,355 @@
+"""The typed configuration of a run, registered with Hydra, and its validation.
+
+Design decisions:
+- Every group of `conf/` has a typed schema: attnres.ModelConfig / ResidualConfig and
+  harness.data.DataConfig are reused unchanged; train/optim/schedule/tracking/sweep are the
+  dataclasses below. The root `RunConfig` is stored in Hydra's ConfigStore as `run_schema` and is
+  the first entry of conf/config.yaml's defaults, so a misspelt key or a wrong type fails while
+  Hydra composes, before any code of ours runs.
+- Choices with a closed set of values are Enums (OmegaConf then names the allowed values in its
+  error); open strings (device "cuda:1") are checked in `validate`.
+- `validate` turns the composed DictConfig into dataclass objects (running the core's own
+  __post_init__ checks), builds the model on the meta device (no memory, no time) to run the
+  residual's shape checks (block sizes, heads), and derives what the run needs (steps, gradient
+  accumulation, device, precision). Every failure is one `ConfigError` line naming the key, the
+  value and what is allowed. Nothing is written before it passes.
+- The token budget has four spellings with a fixed priority: train.steps > train.flops >
+  train.tokens_per_param > train.tokens. The scaling and arch sweeps use the middle two; the
+  budget in tokens is then derived from the model's own accounting (count.*).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from attnres import DecoderLM, ModelConfig, ResidualConfig
+from harness.data import DataConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. The message is one line: key, value, what is allowed."""
+
+
+class Precision(Enum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 elsewhere
+    fp32 = "fp32"
+    bf16 = "bf16"  # autocast to bfloat16 for matmuls; weights and optimizer state stay fp32
+
+
+class OptimName(Enum):
+    adamw = "adamw"
+    muon = "muon"  # Muon on the sublayers' matrices, AdamW on everything else
+
+
+class ScheduleName(Enum):
+    cosine = "cosine"
+    wsd = "wsd"  # warmup-stable-decay
+    constant = "constant"  # warmup then flat (for debugging and LR range tests)
+
+
+class DecayShape(Enum):
+    linear = "linear"
+    cosine = "cosine"
+    sqrt = "sqrt"  # 1 - sqrt: the WSD paper's (Hägele et al. 2024) preferred cooldown
+
+
+@dataclass
+class TrainConfig:
+    """Defaults are the CPU-sized ones of conf/train/default.yaml (which is what runs)."""
+
+    # --- budget (priority: steps > flops > tokens_per_param > tokens) ---
+    tokens: int | None = 250_000  # training tokens; steps = ceil(tokens / (batch_size·seq_len))
+    steps: int | None = None  # optimizer steps; wins over every other budget when set
+    flops: float | None = None  # compute budget: tokens = flops / count.flops_per_token (arch sweep)
+    tokens_per_param: float | None = None  # tokens = ratio × count.params_non_embedding (scaling)
+    # --- batch ---
+    batch_size: int = 16  # global batch in sequences per optimizer step (fixed whatever the memory)
+    micro_batch_size: int | None = None  # sequences per forward/backward; null = batch_size
+    seq_len: int = 128
+    # --- numerics and speed ---
+    precision: Precision = Precision.auto
+    compile: bool | None = None  # null = on for CUDA, off on CPU (where it does not pay)
+    device: str = "auto"  # auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps
+    threads: int | None = None  # CPU intra-op threads; null = torch's default
+    seed: int = 0  # model init and data order
+    # --- periodic work (steps; 0 = only at the end) ---
+    log_interval: int = 10  # train/* metrics: means over the interval
+    eval_interval: int = 25
+    eval_batches: int = 8  # batches of micro_batch_size sequences in the fixed held-out set
+    instrument_interval: int = 25  # depth weights, output RMS and grad norms per block
+    instrument_seqs: int = 4  # sequences of the first held-out batch that model.inspect reads
+    checkpoint_interval: int = 25
+    # --- files ---
+    checkpoint_dir: str | None = None  # null = <project root>/checkpoints
+    resume: bool = True  # rerunning the same config resumes it (a finished run is not redone)
+    progress: bool = True  # tqdm bar with loss and tokens/s
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = OptimName.adamw
+    lr: float = 3e-3  # peak learning rate (Muon: AdamW-equivalent, see harness/optim.py)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # matrices only (model.optimizer_groups)
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    momentum: float = 0.95  # muon
+    nesterov: bool = True  # muon
+    ns_steps: int = 5  # muon: Newton-Schulz iterations
+
+
+@dataclass
+class ScheduleConfig:
+    name: ScheduleName = ScheduleName.cosine
+    warmup_steps: int | None = None  # wins over warmup_fraction when set
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio × optim.lr (cosine and wsd)
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
+    decay_shape: DecayShape = DecayShape.linear  # wsd
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # default: $MLFLOW_TRACKING_URI, else sqlite:///<project root>/mlflow.db (harness/resolvers.py)
+    uri: str = "${attnres.tracking_uri:}"
+    experiment: str | None = None  # null = sweep.name
+    run_name: str | None = None  # null = <variant>-<model>-s<seed>
+    parent_run_id: str | None = None  # set by the Optuna sweeper: the run becomes its child
+    system_metrics: bool = False  # MLflow's CPU/GPU/memory sampler (a thread; off by default)
+    log_code: bool = True  # git commit, diff and a source snapshot as artifacts
+    log_env: bool = True  # pip freeze
+    log_plots: bool = True  # depth-weight heat map and magnitude plots at the end
+    log_model: bool = True  # the trained model as artifact model/ (attnres.save_pretrained; attnres.load(run_id))
+    flush_seconds: float = 5.0  # metrics are buffered and written in batches at most this often
+
+
+@dataclass
+class ArchConfig:
+    """A model shape generated from a parameter budget and two aspect ratios (paper Fig. 7).
+
+    Read by the `${arch:...}` resolver of harness/sweeps.py; null when a run uses a preset."""
+
+    params: float = 1e6  # non-embedding parameter budget
+    d_model_per_layer: float = 45.0  # d_model / L_b
+    heads_per_layer: float = 0.5  # n_heads / L_b
+    ffn_ratio: float = 4.0  # d_ff / d_model (dense; the paper's MoE expert is ≈0.45)
+    multiple: int = 8  # d_ff rounded to a multiple of this
+
+
+@dataclass
+class SweepConfig:
+    name: str = "default"  # the MLflow experiment, and a folder level of the checkpoints
+    # Named override sets for sweeps that are not a product (block_size: S values + baseline):
+    # the sweep dimension is `sweep.cell`, and `${cell:key}` reads cells[cell][key].
+    cell: str | None = None
+    cells: dict[str, dict[str, Any]] = field(default_factory=dict)
+    arch: ArchConfig | None = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+
+
+def register() -> None:
+    """Store the root schema (conf/config.yaml's first default) and the sweeps in the ConfigStore."""
+    from harness import resolvers, sweeps
+
+    resolvers.register()
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    sweeps.register()
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: DictConfig -> a checked, derived RunSpec
+# --------------------------------------------------------------------------------------------
+@dataclass
+class RunSpec:
+    """Everything a run needs, checked: the typed config plus what is derived from it."""
+
+    cfg: RunConfig
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # None: fp32
+    compile: bool
+    micro_batch_size: int
+    accum_steps: int
+    steps: int
+    tokens_per_step: int
+    counts: dict[str, float]  # count.* params: parameters, FLOPs per token, budget
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+
+def _fail(msg: str) -> None:
+    raise ConfigError(msg)
+
+
+def _one_line(error: Exception) -> str:
+    """OmegaConf errors span lines (key, type, full_key); keep them on one."""
+    return " ".join(str(error).split())
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        _fail(f"train.device={name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        _fail(f"train.device={name!r}: CUDA is not available on this machine; allowed: auto, cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        _fail(f"train.device={name!r}: unsupported device type; allowed: auto, cpu, cuda, cuda:N, mps")
+    return device
+
+
+def to_objects(cfg: DictConfig) -> RunConfig:
+    """The composed config as dataclass objects, each __post_init__ run (one line on error)."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except (OmegaConfBaseException, ValueError, TypeError) as error:
+        _fail(_one_line(error))
+    if not isinstance(obj, RunConfig):  # composed without run_schema (a hand-made config)
+        _fail(f"the config is not a RunConfig (got {type(obj).__name__}); compose conf/config.yaml")
+    return obj
+
+
+def _positive(section: str, obj: Any, *keys: str, allow_zero: bool = False) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not allow_zero):
+            _fail(f"{section}.{key}={value} must be {'>= 0' if allow_zero else 'positive'}")
+
+
+def validate(cfg: DictConfig) -> RunSpec:
+    """Check a composed config and derive the run's plan. Raises ConfigError (one line)."""
+    run = to_objects(cfg)
+    t, o, s, m = run.train, run.optim, run.schedule, run.model
+
+    _positive("train", t, "tokens", "steps", "flops", "tokens_per_param", "batch_size",
+              "micro_batch_size", "seq_len", "eval_batches", "instrument_seqs", "threads")
+    _positive("train", t, "log_interval", "eval_interval", "instrument_interval",
+              "checkpoint_interval", allow_zero=True)
+    _positive("optim", o, "lr", "ns_steps")
+    _positive("optim", o, "eps", "weight_decay", "grad_clip", allow_zero=True)
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        _fail(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    if not 0 <= s.warmup_fraction < 1:
+        _fail(f"schedule.warmup_fraction={s.warmup_fraction} must lie in [0, 1)")
+    if not 0 <= s.min_lr_ratio <= 1:
+        _fail(f"schedule.min_lr_ratio={s.min_lr_ratio} must lie in [0, 1]")
+    if not 0 < s.decay_fraction <= 1:
+        _fail(f"schedule.decay_fraction={s.decay_fraction} must lie in (0, 1]")
+    _positive("schedule", s, "warmup_steps", allow_zero=True)
+    if all(getattr(t, k) is None for k in ("tokens", "steps", "flops", "tokens_per_param")):
+        _fail("no training budget: set one of train.steps, train.flops, train.tokens_per_param, train.tokens")
+
+    micro = t.micro_batch_size or t.batch_size
+    if t.batch_size % micro:
+        divisors = [d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]
+        _fail(f"train.micro_batch_size={micro} must divide train.batch_size={t.batch_size}; "
+              f"allowed: {', '.join(map(str, divisors))}")
+    if t.seq_len > m.max_seq_len:
+        _fail(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise "
+              "model.max_seq_len (the presets set it to ${train.seq_len})")
+    if m.vocab_size < run.data.vocab_size:
+        _fail(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={run.data.vocab_size}; "
+              "the presets set it to ${data.vocab_size}")
+
+    device = resolve_device(t.device)
+    precision = t.precision
+    if precision is Precision.auto:
+        precision = Precision.bf16 if device.type == "cuda" else Precision.fp32
+    if precision is Precision.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        _fail(f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bfloat16; allowed: fp32")
+    compile_ = (device.type == "cuda") if t.compile is None else t.compile
+
+    counts = model_counts(run)
+    tokens_per_step = t.batch_size * t.seq_len
+    steps = t.steps
+    if steps is None:
+        if t.flops is not None:
+            budget = t.flops / counts["count.flops_per_token"]
+        elif t.tokens_per_param is not None:
+            budget = t.tokens_per_param * counts["count.params_non_embedding"]
+        else:
+            budget = float(t.tokens)
+        steps = max(1, math.ceil(budget / tokens_per_step))
+    counts["count.train_steps"] = steps
+    counts["count.train_tokens"] = steps * tokens_per_step
+    counts["count.train_flops"] = steps * tokens_per_step * counts["count.flops_per_token"]
+    return RunSpec(
+        cfg=run, device=device, autocast_dtype=torch.bfloat16 if precision is Precision.bf16 else None,
+        compile=compile_, micro_batch_size=micro, accum_steps=t.batch_size // micro, steps=steps,
+        tokens_per_step=tokens_per_step, counts=counts,
+    )
+
+
+def model_counts(run: RunConfig) -> dict[str, float]:
+    """count.* from the model's own accounting, built on the meta device (instant, no memory).
+    Building it also runs the residual's shape checks (block sizes, heads), hence ConfigError."""
+    try:
+        with torch.device("meta"):
+            model = DecoderLM(run.model, run.residual)
+    except ValueError as error:
+        _fail(_one_line(error))
+    params = model.param_counts()
+    return {
+        "count.params_total": params["total"],
+        "count.params_embedding": params["embedding"],
+        "count.params_non_embedding": params["non_embedding"],
+        "count.params_residual": params["residual"],
+        "count.flops_per_token": model.flops_per_token(run.train.seq_len)["total"],
+    }
+
+
+def to_plain(run: RunConfig) -> dict[str, Any]:
+    """The effective config as plain Python (Enums as their names): what is logged and hashed."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, Enum):
+            return value.value
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(asdict(run))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists and empty dicts stay leaves."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def rank() -> int:
+    """This process's rank under torchrun (0 when not distributed): only rank 0 logs and saves."""
+    return int(os.environ.get("RANK", "0"))

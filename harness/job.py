@@ -1,0 +1,270 @@
+"""One job: from a composed Hydra config to a finished (or resumed) run; what run.py calls.
+
+Order of work, and why:
+1. Validate the config and load the data. Bad input stops here with one line and exit code 2
+   (in a multirun: an exception the sweeper records, so other jobs go on) — before any MLflow
+   run, checkpoint folder or file exists.
+2. Take the run's folder (identity = the effective config) and its lock. A finished run is not
+   trained again: its recorded result is returned. An interrupted one is resumed from its last
+   checkpoint into the same MLflow run.
+3. Open the MLflow run (new, child of the multirun's parent or of the Optuna study's, or the
+   resumed one), log params, tags and provenance; record its id in the folder before training.
+4. Train. The outcome decides the run's end: FINISHED; FAILED with attnres.failure and
+   attnres.failure_step (non-finite loss: FloatingPointError is re-raised; any other error);
+   KILLED with attnres.status=PRUNED and pruned=true (a pruned sweep trial: re-raised);
+   KILLED on Ctrl-C. The last good checkpoint is kept in every case.
+5. SIGTERM (a scheduler's preemption) asks the loop to stop after its current step: it
+   checkpoints, the run ends KILLED, and the process exits with REQUEUE_EXIT, so that a launcher
+   (or a SLURM batch script) requeues the same command, which resumes into the same MLflow run
+   (docs/RELIABILITY.md).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness import instrument, provenance
+from harness.checkpoint import RunBusy, RunFolder, run_folder, run_key
+from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate
+from harness.data import DataError, TokenData, load_data
+from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_reachable, replay_folder
+from harness.train import NonFiniteLoss, StopRequested, Trainer, pruning
+
+log = logging.getLogger(__name__)
+
+PARENT_ENV = "ATTNRES_PARENT_RUN_ID"  # set by harness.callbacks for the jobs of a multirun
+# Exit status of a run stopped by SIGTERM after checkpointing: sysexits' EX_TEMPFAIL ("temporary
+# failure, the user is invited to retry"), distinct from 1 (an error: do not retry blindly), 2 (bad
+# input), 124 (timeout(1)) and 137 (SIGKILL). A launcher or batch script requeues on it.
+REQUEUE_EXIT = 75
+
+
+def _hydra_mode() -> tuple[bool, str | None, list]:
+    """(is multirun, the job's output folder, its overrides); outside Hydra: (False, None, [])."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return False, None, []
+    hc = HydraConfig.get()
+    return hc.mode == RunMode.MULTIRUN, hc.runtime.output_dir, list(hc.overrides.task)
+
+
+def _bad_input(error: Exception, multirun: bool, output_dir: str | None) -> float:
+    if multirun:
+        raise error  # the sweeper records the failed job and goes on with the next
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    _remove_empty_output_dir(output_dir)
+    sys.exit(2)
+
+
+def _remove_empty_output_dir(output_dir: str | None) -> None:
+    """Hydra makes the run's output folder (its .hydra/ config copy and the job log) before the job
+    starts; a run refused at the door leaves nothing, so that folder goes too — but only when it
+    holds nothing else (hydra.run.dir may point at a folder of the user's)."""
+    if not output_dir:
+        return
+    folder = Path(output_dir)
+    try:
+        names = {p.name for p in folder.iterdir()}
+    except OSError:
+        return
+    if names and names <= {".hydra", "run.log", f"{Path(sys.argv[0]).stem}.log"}:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(cfg: DictConfig) -> float:
+    """Train the run `cfg` describes (or resume it, or return its recorded result)."""
+    multirun, output_dir, overrides = _hydra_mode()
+    try:
+        spec = validate(cfg)
+        if spec.cfg.train.threads:
+            torch.set_num_threads(spec.cfg.train.threads)
+        data = load_data(spec.cfg.data, spec.cfg.train.seq_len)
+        if spec.cfg.tracking.enabled and rank() == 0:
+            check_reachable(spec.cfg.tracking.uri)  # a dead server: seconds, not minutes of retries
+    except (ConfigError, DataError, TrackingUnreachable) as error:
+        return _bad_input(error, multirun, output_dir)
+
+    plain = to_plain(spec.cfg)
+    main = rank() == 0
+    folder = RunFolder(run_folder(plain))
+    if main:
+        try:
+            folder.acquire(fresh=not spec.cfg.train.resume)
+        except RunBusy as error:
+            return _bad_input(error, multirun, output_dir)
+    try:
+        return _run_in_folder(spec, plain, data, folder if main else None, multirun, output_dir, overrides)
+    finally:
+        folder.release()
+
+
+def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder: RunFolder | None,
+                   multirun: bool, output_dir: str | None, overrides: list) -> float:
+    c = spec.cfg
+    record = folder.record() if folder is not None else None
+    if record and record.get("status") == "finished":
+        if c.tracking.enabled and record.get("mlflow_run_id"):  # metrics its server missed, if any
+            replay_folder(c.tracking.uri, record["mlflow_run_id"], folder.path)
+        value = record["final"]["final/val_loss"]
+        print(f"{folder.path.name}: already finished (val loss {value:.4f}, MLflow run "
+              f"{record.get('mlflow_run_id')}); train.resume=false trains it again", file=sys.stderr)
+        return value
+
+    state = folder.load() if folder is not None else None
+    label = c.tracking.run_name or f"{c.residual.name}-{c.model.name}-s{c.train.seed}"
+    tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
+    if folder is not None:
+        folder.write_record(key=run_key(plain), status="running", mlflow_run_id=tracker.run_id,
+                            tracking_uri=c.tracking.uri if tracker.enabled else None)
+    try:
+        trainer = Trainer(spec, data, tracker, folder, label=label)
+        if state is not None:
+            trainer.load_state_dict(state)
+            log.info("resumed %s at step %d of %d", folder.path, trainer.step, spec.steps)
+        with _stop_on_sigterm(trainer):
+            final = trainer.fit()
+        tracker.log_metrics(final, trainer.step)
+        if c.tracking.log_plots and tracker.enabled and trainer.history:
+            tracker.log_figure(instrument.depth_weights_figure(trainer.history[-1], label), "plots/depth_weights.png")
+            tracker.log_figure(instrument.magnitudes_figure(trainer.history, label), "plots/magnitudes.png")
+        if c.tracking.log_model and tracker.enabled:
+            _log_model(tracker, trainer.model, plain)
+    except BaseException as error:
+        _end_on_error(tracker, folder, error)
+        if isinstance(error, StopRequested):
+            print(f"{label}: {error} (SIGTERM); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
+            raise SystemExit(REQUEUE_EXIT) from None  # also ends a multirun: the machine is going
+        raise
+    if folder is not None:
+        folder.write_record(status="finished", final=final)
+    tracker.end("FINISHED")
+    print(f"{label}: val loss {final['final/val_loss']:.4f} after {final['final/tokens']:,} tokens "
+          f"({final['final/train_seconds']:.1f} s)" + (f", MLflow run {tracker.run_id}" if tracker.enabled else ""),
+          file=sys.stderr)
+    return final["final/val_loss"]
+
+
+@contextmanager
+def _stop_on_sigterm(trainer: Trainer):
+    """While training, SIGTERM means "checkpoint and stop" rather than "die now". Not inside an
+    Optuna trial: the sweeper turns SIGTERM into its own interrupt (it voids the trial)."""
+    in_trial = pruning is not None and pruning.current_trial() is not None
+    if in_trial or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: trainer.request_stop())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _log_model(tracker, model, plain: dict[str, Any]) -> None:
+    """Artifact model/: model.safetensors + config.json with the run's data and train nodes, the
+    format attnres.load(run_id) and the evaluation commands read."""
+    import tempfile
+
+    from attnres import save_pretrained
+
+    with tempfile.TemporaryDirectory(prefix="attnres-model-") as tmp:
+        folder = save_pretrained(model, Path(tmp) / "model", extra={"data": plain["data"], "train": plain["train"]})
+        for path in sorted(folder.iterdir()):
+            tracker.log_file(str(path), "model")
+
+
+def _end_on_error(tracker, folder: RunFolder | None, error: BaseException) -> None:
+    if pruning is not None and isinstance(error, pruning.TrialPruned):
+        tracker.end("PRUNED", {"pruned": "true"})
+        status = "pruned"
+    elif isinstance(error, (KeyboardInterrupt, StopRequested)):
+        tracker.end("KILLED", {"attnres.failure": f"interrupted ({type(error).__name__}: {error})"})
+        status = "interrupted"
+    else:
+        tags = {"attnres.failure": f"{type(error).__name__}: {error}"[:5000]}
+        if isinstance(error, NonFiniteLoss):
+            tags["attnres.failure_step"] = error.step
+        tracker.end("FAILED", tags)
+        status = "failed"
+    if folder is not None:
+        folder.write_record(status=status, failure=f"{type(error).__name__}: {error}")
+
+
+def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, state, multirun: bool,
+                  output_dir: str | None, overrides: list, folder: RunFolder | None = None):
+    c = spec.cfg
+    if not c.tracking.enabled or rank() != 0:
+        return NullTracker()
+    parent = c.tracking.parent_run_id or (os.environ.get(PARENT_ENV) if multirun else None)
+    trial = pruning.current_trial() if pruning is not None else None
+    tags = {
+        "attnres.role": "trial" if trial is not None else "job",
+        "attnres.variant": c.residual.name,
+        "attnres.model": c.model.name,
+        "attnres.seed": c.train.seed,
+        "attnres.sweep": c.sweep.name,
+        "attnres.status": "RUNNING",
+        "attnres.data_fingerprint": data.fingerprint.get("sha256", ""),
+        "attnres.run_key": run_key(plain),
+        "attnres.device": str(spec.device),
+    }
+    if output_dir:
+        tags["attnres.hydra_output_dir"] = output_dir
+    if trial is not None:
+        tags["optuna.trial_number"] = getattr(trial, "number", "")
+    resume_id = (record or {}).get("mlflow_run_id")
+    tracker = MlflowTracker.start(
+        c.tracking.uri, c.tracking.experiment or c.sweep.name, label,
+        {k: str(v) for k, v in tags.items()}, parent_run_id=parent, resume_run_id=resume_id,
+        system_metrics=c.tracking.system_metrics, flush_seconds=c.tracking.flush_seconds,
+        pending_dir=folder.path if folder is not None else None,
+    )
+    try:
+        if tracker.resumed:
+            tracker.set_tags({"attnres.status": "RUNNING", "attnres.resumed_at_step": (state or {}).get("step", 0)})
+            _note_code_change(tracker, c, (state or {}).get("step", 0))
+        else:
+            _log_start(tracker, spec, plain, data, overrides)
+    except BaseException as error:
+        tracker.end("FAILED", {"attnres.failure": f"while logging the run's start: {error}"[:5000]})
+        raise
+    return tracker
+
+
+def _log_start(tracker, spec: RunSpec, plain, data: TokenData, overrides: list) -> None:
+    c = spec.cfg
+    params = dict(flatten(plain), **spec.counts)
+    params["train.accum_steps"] = spec.accum_steps  # derived: batch_size / micro_batch_size
+    tracker.log_params(params)
+    tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(plain)), "config/resolved.yaml")
+    tracker.log_text("\n".join(overrides) + "\n", "config/overrides.txt")
+    tracker.log_dict(data.fingerprint, "data/fingerprint.json")
+    if c.tracking.log_code:
+        provenance.log_code(tracker)
+        tracker.set_tags({"attnres.code_digest": provenance.code_state().digest,
+                          "mlflow.source.git.commit": provenance.code_state().commit})
+    if c.tracking.log_env:
+        tracker.log_text(provenance.pip_freeze(), "env/pip_freeze.txt")
+
+
+def _note_code_change(tracker, c, step: int) -> None:
+    """A resumed run whose code changed keeps both versions (code/resumed_step_N/...)."""
+    if not c.tracking.log_code:
+        return
+    run = tracker.client.get_run(tracker.run_id)
+    before = run.data.tags.get("attnres.code_digest")
+    now = provenance.code_state().digest
+    if before and before != now:
+        log.warning("the code changed since this run started; logging the new code beside the old")
+        provenance.log_code(tracker, prefix=f"code/resumed_step_{step:07d}")

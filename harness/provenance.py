@@ -1,0 +1,115 @@
+"""Where a run came from: the code (git commit, diff, a source snapshot) and the environment.
+
+Design decisions:
+- The commit alone does not say what ran: a researcher's working tree is usually dirty. The run
+  keeps `git diff HEAD` (staged and unstaged changes to tracked files), the list of untracked
+  files, and a tar.gz snapshot of the project's own source (tracked and untracked-but-not-ignored
+  .py/.yaml/.toml/.md files), which also covers a checkout without git.
+- `code_digest` hashes commit + diff + snapshot. A resumed run compares it with the digest of its
+  first start and records the new code beside the old if they differ, instead of silently
+  mixing two versions of the code in one run.
+- `pip freeze` is read from the installed distributions' metadata (importlib.metadata): the same
+  name==version lines without a pip subprocess (a second or more per job).
+- Everything is computed once per process (a multirun's jobs share it) and never fails a run: a
+  missing git gives a note in the artifact instead of an error.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import io
+import subprocess
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.resolvers import PROJECT_ROOT
+
+SNAPSHOT_SUFFIXES = (".py", ".yaml", ".yml", ".toml", ".md", ".cfg", ".txt")
+SNAPSHOT_MAX_FILE = 1_000_000  # bytes: data files that happen to be .txt are not code
+
+
+@dataclass(frozen=True)
+class CodeState:
+    commit: str
+    diff: str
+    untracked: tuple[str, ...]
+    snapshot: bytes  # tar.gz of the source files
+    digest: str
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout
+
+
+def _source_files() -> list[str]:
+    listed = _git("ls-files", "--cached", "--others", "--exclude-standard", "-z")
+    if listed is not None:
+        names = [n for n in listed.split("\0") if n]
+    else:  # no git: the project's own folders
+        names = [
+            str(p.relative_to(PROJECT_ROOT)) for top in ("attnres", "harness", "analysis", "hydra_plugins",
+                                                         "conf", "sweeps", "benchmarks")
+            for p in (PROJECT_ROOT / top).rglob("*") if p.is_file()
+        ] + [n for n in ("run.py", "pyproject.toml") if (PROJECT_ROOT / n).exists()]
+    keep = []
+    for name in sorted(set(names)):
+        path = PROJECT_ROOT / name
+        if path.suffix in SNAPSHOT_SUFFIXES and path.is_file() and path.stat().st_size <= SNAPSHOT_MAX_FILE:
+            keep.append(name)
+    return keep
+
+
+def _snapshot(names: list[str]) -> bytes:
+    buf = io.BytesIO()
+    # mtime=0 and sorted names: the same source gives the same bytes (and digest)
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for name in names:
+            data = (PROJECT_ROOT / name).read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=1)
+def code_state() -> CodeState:
+    commit = (_git("rev-parse", "HEAD") or "").strip() or "(not a git checkout, or git is missing)"
+    diff = _git("diff", "HEAD", "--no-color") or ""
+    untracked = tuple(n for n in (_git("ls-files", "--others", "--exclude-standard") or "").splitlines() if n)
+    names = _source_files()
+    h = hashlib.sha256()
+    for name in names:
+        h.update(name.encode() + b"\0" + (PROJECT_ROOT / name).read_bytes() + b"\0")
+    digest = hashlib.sha256(f"{commit}\0{diff}\0{h.hexdigest()}".encode()).hexdigest()
+    return CodeState(commit, diff, untracked, _snapshot(names), digest)
+
+
+@functools.lru_cache(maxsize=1)
+def pip_freeze() -> str:
+    lines = set()
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            lines.add(f"{name}=={dist.version}")
+    return "\n".join(sorted(lines, key=str.lower)) + "\n"
+
+
+def log_code(tracker, prefix: str = "code") -> None:
+    """Artifacts code/git_commit.txt, code/git_diff.patch, code/untracked.txt, code/source.tar.gz."""
+    state = code_state()
+    tracker.log_text(state.commit + "\n", f"{prefix}/git_commit.txt")
+    tracker.log_text(state.diff, f"{prefix}/git_diff.patch")
+    tracker.log_text("\n".join(state.untracked) + "\n", f"{prefix}/untracked.txt")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "source.tar.gz"
+        path.write_bytes(state.snapshot)
+        tracker.log_file(str(path), prefix)

@@ -1,0 +1,95 @@
+"""Values computed while Hydra composes: OmegaConf resolvers of the harness.
+
+- `${attnres.tracking_uri:}`: the default of tracking.uri, so that `--cfg job`, every job of a
+  multirun and the Optuna sweeper (which reads tracking.uri from the config) see one absolute URI:
+  $MLFLOW_TRACKING_URI if set, else sqlite:///<project root>/mlflow.db. MLflow's own default is
+  mlflow.db in the *working directory*; anchoring it at the project root means `mlflow ui` run
+  there shows every run wherever the command was started from.
+- `${arch:key}`: a model shape generated from sweep.arch (a non-embedding parameter budget and the
+  paper's two aspect ratios d_model/L_b and heads/L_b, Fig. 7). Used by the arch and scaling
+  sweeps, so each grid cell's config shows its real d_model, layers, heads and d_ff.
+- `${cell:key}`: sweep.cells[sweep.cell][key], for sweeps that are a union rather than a product
+  of values (block sizes plus the baseline).
+Resolvers are pure functions of the config, so composing a sweep's jobs up front (the multirun
+callback validates every job before anything is written) costs milliseconds.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_tracking_uri() -> str:
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return absolute_sqlite(env)
+    return f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
+
+
+def absolute_sqlite(uri: str) -> str:
+    """sqlite:///relative.db -> sqlite:////abs/relative.db (against the working directory, once)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and uri != prefix + ":memory:":
+        return prefix + str(Path(uri[len(prefix):]).expanduser().resolve())
+    return uri
+
+
+def arch_shape(arch: Any) -> dict:
+    """d_model, layers, n_heads, d_ff of a dense model with ≈ `params` non-embedding parameters.
+
+    A block of width d holds 4d² attention weights (q, k, v, o with n_kv_heads = n_heads) and
+    3·d·d_ff SwiGLU weights, so params ≈ L·d²·(4 + 3k) with k = d_ff/d. With d = r·L (r =
+    d_model/L_b) that gives L = (params / (r²(4 + 3k)))^(1/3), rounded to a whole number of blocks
+    (at least 1). The parameter budget is the hard constraint (paper Fig. 7 holds it fixed), so d is
+    then solved from it for that L, d = √(params / (L(4 + 3k))), rather than taken as r·L: with few
+    blocks the rounding of L would otherwise miss the budget by up to 2× (the realised ratio
+    d_model/L_b is in the logged params). Heads = round(h·L) (at least 1); d_model is rounded to a
+    multiple of 2·heads so the head dimension is whole and even (RoPE).
+    """
+    r, h, k, p = (float(arch.d_model_per_layer), float(arch.heads_per_layer), float(arch.ffn_ratio),
+                  float(arch.params))
+    if min(r, h, k, p) <= 0:
+        raise ValueError(f"sweep.arch values must be positive, got {OmegaConf.to_container(arch)}")
+    layers = max(1, round((p / (r * r * (4 + 3 * k))) ** (1 / 3)))
+    heads = max(1, round(h * layers))
+    step = 2 * heads
+    d_model = max(step, step * round((p / (layers * (4 + 3 * k))) ** 0.5 / step))
+    multiple = max(1, int(arch.multiple))
+    d_ff = max(multiple, multiple * round(k * d_model / multiple))
+    name = f"arch_p{p:.3g}_r{r:g}_h{h:g}".replace("+", "")
+    return {"d_model": d_model, "layers": layers, "n_heads": heads, "d_ff": d_ff, "name": name}
+
+
+def _arch(key: str, *, _root_: DictConfig) -> Any:
+    arch = OmegaConf.select(_root_, "sweep.arch")
+    if arch is None:
+        raise ValueError(f"${{arch:{key}}} needs sweep.arch (set by the arch and scaling sweeps)")
+    shape = arch_shape(arch)
+    if key not in shape:
+        raise ValueError(f"${{arch:{key}}}: unknown key; allowed: {', '.join(shape)}")
+    return shape[key]
+
+
+def _cell(key: str, *, _root_: DictConfig) -> Any:
+    cell, cells = OmegaConf.select(_root_, "sweep.cell"), OmegaConf.select(_root_, "sweep.cells")
+    if cell is None or cells is None or cell not in cells:
+        allowed = ", ".join(cells.keys()) if cells else "(none defined)"
+        raise ValueError(f"sweep.cell={cell!r} is not a cell of this sweep; allowed: {allowed}")
+    if key not in cells[cell]:
+        raise ValueError(f"sweep.cells.{cell} does not set {key}")
+    return cells[cell][key]
+
+
+def register() -> None:
+    for name, fn in (
+        ("attnres.tracking_uri", lambda: default_tracking_uri()),
+        ("arch", _arch),
+        ("cell", _cell),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)

@@ -1,0 +1,281 @@
+"""The training loop: gradient accumulation to a fixed global batch, schedule, clipping,
+validation, instrumentation, checkpoints and metrics.
+
+Design decisions:
+- **Steps are optimizer steps**, numbered 1..total after each update; every metric uses that
+  axis (RUN_SCHEMA.md). Validation runs every `eval_interval` steps and always at the last step,
+  whose value is the run's result.
+- **Resumable by construction**: batch i of the data is a pure function of (seed, i)
+  (`batch_iterator(..., start_batch)`), the learning rate a pure function of the step, and the
+  checkpoint holds the model, the optimizer, the RNG states, the step, the best validation loss
+  and the instrumentation history. A resumed run therefore computes bit-for-bit what the
+  uninterrupted run computes (on CPU; the test checks the final validation loss for equality).
+- **One host sync per optimizer step**: the step's loss is read once (it is needed to stop on a
+  non-finite loss *before* the optimizer applies a NaN gradient), everything else is logged at
+  `log_interval` from host-side sums.
+- **Throughput excludes periodic work**: `train/tokens_per_s` is tokens over the time spent in
+  training steps; validation, instrumentation and checkpoints are timed apart and do not dilute it.
+- The loop talks to the outside through the tracker (NullTracker when off), `harness.pruning`
+  (a no-op outside a sweep) and the run folder; it never imports MLflow or Hydra.
+- Test hook: ATTNRES_TEST_KILL_AT_STEP=N ends the process with os._exit(137) right after step N,
+  without flushing or closing anything: what kill -9 does, deterministically.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from attnres import DecoderLM
+from harness import instrument
+from harness.config import RunSpec, rank, to_plain
+from harness.data import MultiHopProbe, TokenData, batch_iterator, val_batches
+from harness.optim import build_optimizer, lr_multiplier, set_lr
+
+try:  # the sweeper's interface; absent in a checkout without the sweeper
+    from harness import pruning
+except ImportError:  # pragma: no cover
+    pruning = None
+
+KILL_ENV = "ATTNRES_TEST_KILL_AT_STEP"
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(FloatingPointError):
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class StopRequested(Exception):
+    """Training stopped early on request (after a checkpoint), e.g. by a SIGTERM handler."""
+
+
+def _due(step: int, interval: int, total: int) -> bool:
+    return step == total or (interval > 0 and step % interval == 0)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator's state, as tensors and tuples of ints only: the checkpoint then loads with
+    torch.load(weights_only=True) (no pickled code runs, here or in attnres.load)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    def __init__(self, spec: RunSpec, data: TokenData, tracker, folder=None, label: str = "run"):
+        self.spec, self.cfg, self.tracker, self.folder, self.label = spec, spec.cfg, tracker, folder, label
+        self.plain_config = to_plain(spec.cfg)
+        t = self.cfg.train
+        self.device = spec.device
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in fp32
+        torch.manual_seed(t.seed)  # model init is a function of the seed alone
+        self.model = DecoderLM(self.cfg.model, self.cfg.residual).to(self.device)
+        self.forward = torch.compile(self.model) if spec.compile else self.model
+        self.optimizer = build_optimizer(self.model, self.cfg.optim)
+        self.data = data
+        self.val = [(x.to(self.device), y.to(self.device))
+                    for x, y in val_batches(data.val, spec.micro_batch_size, t.seq_len, t.eval_batches)]
+        self.probe = MultiHopProbe.from_config(self.cfg.data) if self.cfg.data.name == "multihop" else None
+        self.flops_per_token = spec.counts["count.flops_per_token"]
+        # progress
+        self.step = 0
+        self.best_val = math.inf
+        self.last_val = math.nan
+        self.elapsed = 0.0  # seconds in the loop, summed over attempts (resumes)
+        self.history: list[instrument.Record] = []
+        self._kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
+        self._stop_requested = False
+        self.checkpoint_failures = 0
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.plain_config,  # what attnres.load needs to rebuild the model
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "micro_batches": self.step * self.spec.accum_steps,  # the data position
+            "best_val": self.best_val,
+            "last_val": self.last_val,
+            "elapsed": self.elapsed,
+            "history": self.history,
+            "rng": rng_state(),
+            "mlflow_run_id": self.tracker.run_id,  # also in run.json, which exists before step 1
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.best_val, self.last_val = state["step"], state["best_val"], state["last_val"]
+        self.elapsed, self.history = state["elapsed"], list(state["history"])
+        set_rng_state(state["rng"])
+
+    def request_stop(self) -> None:
+        """Stop after the current step, with a checkpoint (safe to call from a signal handler)."""
+        self._stop_requested = True
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _autocast(self):
+        dtype = self.spec.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = 0.0
+        count = 0
+        with self._autocast():
+            for x, y in self.val:
+                _, loss = self.forward(x, y)
+                total += float(loss) * x.shape[0]
+                count += x.shape[0]
+        self.model.train()
+        return total / count
+
+    def _checkpoint(self) -> None:
+        """Write last.pt. A write that fails (full disk, quota, a lost network mount) does not stop
+        training: the previous checkpoint is intact (atomic write), the failure is logged and
+        tagged (attnres.checkpoint_error, attnres.checkpoint_failures), and the next interval tries
+        again. Losing an hour of compute to a transient disk problem is worse than training on with
+        an older checkpoint; a disk that stays full shows up in the tags of every run it hits."""
+        if self.folder is None or rank() != 0:
+            return
+        self.tracker.flush()  # every step up to the checkpoint is in MLflow before it exists
+        try:
+            self.folder.save(self.state_dict())
+        except OSError as error:
+            self.checkpoint_failures += 1
+            message = f"checkpoint at step {self.step} not written ({error}); the previous one is kept"
+            log.warning("%s: %s; retrying at the next interval", self.label, message)
+            self.tracker.set_tags({"attnres.checkpoint_error": message[:5000],
+                                   "attnres.checkpoint_failures": self.checkpoint_failures})
+
+    def _validate(self, tokens: int) -> None:
+        loss = self.evaluate()
+        self.last_val = loss
+        metrics = {"val/loss": loss}
+        if self.probe is not None:
+            for k, acc in self.probe.accuracy(self.model, self.device).items():
+                metrics[f"probe/acc_hop_{k}"] = acc
+        self.tracker.log_metrics(metrics, self.step)
+        self.tracker.log_metrics({"val/loss_by_tokens": loss}, tokens)
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(f"non-finite validation loss ({loss}) at step {self.step}", self.step)
+        self.best_val = min(self.best_val, loss)
+        if pruning is not None:
+            pruning.report(self.step, loss)  # raises pruning.TrialPruned when a sweep says stop
+
+    def _instrument(self, grad_norms: list[float] | None) -> None:
+        x = self.val[0][0][: self.cfg.train.instrument_seqs]
+        rec = instrument.record(self.model, x, self.step, grad_norms)
+        self.history.append(rec)
+        self.tracker.log_metrics(instrument.metrics(rec), self.step)
+        self.tracker.log_dict(rec, instrument.artifact_name(self.step))
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        spec, t = self.spec, self.cfg.train
+        total, accum = spec.steps, spec.accum_steps
+        batches = batch_iterator(self.data.train, spec.micro_batch_size, t.seq_len, t.seed,
+                                 start_batch=self.step * accum)
+        bar = tqdm(total=total, initial=self.step, desc=self.label, unit="step", dynamic_ncols=True,
+                   disable=not t.progress or rank() != 0, leave=False)
+        window_loss, window_steps, window_time = 0.0, 0, 0.0
+        window_norm = torch.zeros((), device=self.device)  # read at log time only: no extra sync
+        started = time.perf_counter() - self.elapsed
+        self.model.train()
+        try:
+            while self.step < total:
+                tic = time.perf_counter()
+                lr = set_lr(self.optimizer, lr_multiplier(self.cfg.schedule, self.step, total))
+                loss_sum = torch.zeros((), device=self.device)
+                for _ in range(accum):
+                    x, y = next(batches)
+                    x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                    with self._autocast():
+                        _, loss = self.forward(x, y)
+                    (loss / accum).backward()
+                    loss_sum += loss.detach()
+                step_loss = float(loss_sum) / accum  # the one sync of the step
+                if not math.isfinite(step_loss):
+                    raise NonFiniteLoss(f"non-finite training loss ({step_loss}) at step {self.step + 1}",
+                                        self.step + 1)
+                instrument_now = _due(self.step + 1, t.instrument_interval, total)
+                grad_norms = self.model.grad_norm_per_block() if instrument_now else None
+                clip = self.cfg.optim.grad_clip
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                window_time += time.perf_counter() - tic
+                window_loss += step_loss
+                window_norm += norm.detach()
+                window_steps += 1
+                tokens = self.step * spec.tokens_per_step
+
+                if _due(self.step, t.log_interval, total):
+                    tok_s = window_steps * spec.tokens_per_step / max(window_time, 1e-9)
+                    self.tracker.log_metrics({
+                        "train/loss": window_loss / window_steps,
+                        "train/lr": lr,
+                        "train/grad_norm": float(window_norm) / window_steps,
+                        "train/tokens": tokens,
+                        "train/flops": tokens * self.flops_per_token,
+                        "train/tokens_per_s": tok_s,
+                    }, self.step)
+                    bar.set_postfix(loss=f"{window_loss / window_steps:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                    window_loss, window_steps, window_time = 0.0, 0, 0.0
+                    window_norm.zero_()
+                if instrument_now:
+                    self._instrument(grad_norms)
+                if _due(self.step, t.eval_interval, total):
+                    self._validate(tokens)
+                    bar.set_postfix(loss=f"{step_loss:.4f}", val=f"{self.last_val:.4f}", refresh=False)
+                self.elapsed = time.perf_counter() - started
+                if _due(self.step, t.checkpoint_interval, total) or self._stop_requested:
+                    self._checkpoint()
+                bar.update(1)
+                if self.step == self._kill_at:
+                    os._exit(137)  # test hook: die like kill -9 (nothing flushed, nothing closed)
+                if self._stop_requested:
+                    raise StopRequested(f"stopped at step {self.step} of {total}; rerun to resume")
+        finally:
+            bar.close()
+        return self.final_metrics()
+
+    def final_metrics(self) -> dict[str, float]:
+        tokens = self.step * self.spec.tokens_per_step
+        return {
+            "final/val_loss": self.last_val,
+            "final/val_loss_best": self.best_val,
+            "final/tokens": tokens,
+            "final/flops": tokens * self.flops_per_token,
+            "final/train_seconds": self.elapsed,
+        }

@@ -1,0 +1,38 @@
+#!/usr/bin/env python
+"""Train one model (or, with -m, one per combination) and record it in MLflow.
+
+    python run.py                                           # the CPU-sized default run
+    python run.py residual=block model.layers=16            # any group or key, on the command line
+    python run.py -m residual=block,full,mhc model.layers=16  # a multirun: one child run each
+    python run.py -m +sweep=ablation                        # a ready sweep (sweeps/*.yaml)
+    python run.py --cfg job                                 # the composed config, nothing run
+
+Returns the final validation loss (for sweepers). Everything else lives in harness/
+(docs/HARNESS.md): config (schemas, validation), job (one run), train (the loop), tracking
+(MLflow), checkpoint, provenance, instrument, callbacks (multirun parent run).
+"""
+import os
+
+# OpenMP threads that spin while waiting collapse when the CPU is shared (other jobs, a parallel
+# multirun): a training step measured 20-100x slower on a busy 2-core machine. Passive waiting
+# costs little when the machine is idle. Must be set before torch loads OpenMP; a user's own
+# setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import hydra
+from omegaconf import DictConfig
+
+from harness.config import register
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    from harness.job import run  # torch, MLflow and data load only once a job really runs
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()

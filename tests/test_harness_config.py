@@ -1,0 +1,157 @@
+"""The config: every group composes and validates; bad input is one line, exit 2, nothing written."""
+import pytest
+from omegaconf import OmegaConf
+
+from attnres import VARIANTS
+from harness.config import ConfigError, validate
+from harness_testing import ROOT, TINY, compose, run_cli, sweep_jobs
+
+SWEEPS = sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml"))
+
+
+def test_default_config_validates_into_a_cpu_plan():
+    spec = validate(compose([]))
+    assert spec.cfg.model.name == "default" and spec.cfg.residual.name == "baseline"
+    assert spec.cfg.model.vocab_size == spec.cfg.data.vocab_size == 256
+    assert spec.steps * spec.tokens_per_step >= spec.cfg.train.tokens
+    assert spec.counts["count.params_total"] > 0 and spec.counts["count.flops_per_token"] > 0
+
+
+def test_every_variant_has_a_residual_file_that_validates():
+    assert sorted(p.stem for p in (ROOT / "conf" / "residual").glob("*.yaml")) == sorted(VARIANTS)
+    for name in VARIANTS:
+        spec = validate(compose([f"residual={name}", "model.layers=16"]))
+        assert spec.cfg.residual.name == name
+
+
+@pytest.mark.parametrize("preset,d_model,layers,lr,batch", [
+    ("194m", 896, 12, 2.99e-3, 192), ("241m", 960, 13, 2.80e-3, 256), ("296m", 1024, 14, 2.50e-3, 320),
+    ("436m", 1168, 16, 2.20e-3, 384), ("528m", 1264, 17, 2.02e-3, 432),
+])
+def test_paper_presets_are_dense_models_with_the_papers_shape_lr_and_batch(preset, d_model, layers, lr, batch):
+    spec = validate(compose([f"model={preset}", "train.device=cpu"]))
+    m = spec.cfg.model
+    assert (m.d_model, m.layers, spec.cfg.optim.lr, spec.cfg.train.batch_size) == (d_model, layers, lr, batch)
+    assert m.d_ff == pytest.approx(4 * d_model, rel=0.02)  # dense: ≈ 4·d_model (≈ 9 experts' width)
+    assert spec.cfg.train.seq_len == m.max_seq_len == 8192
+    assert spec.accum_steps == batch // spec.micro_batch_size
+
+
+def test_overrides_reach_the_typed_objects():
+    spec = validate(compose(["residual=block", "residual.num_blocks=4", "model.layers=16", "optim=muon",
+                             "schedule=wsd", "train.batch_size=32", "train.micro_batch_size=8",
+                             "train.steps=10"]))
+    assert spec.cfg.residual.num_blocks == 4 and spec.accum_steps == 4 and spec.steps == 10
+    assert spec.cfg.optim.name.value == "muon" and spec.cfg.schedule.name.value == "wsd"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["residual=block", "residual.num_blocks=3", "model.layers=4"], "residual.num_blocks=3 must divide"),
+    (["residual.name=nope"], "allowed: baseline, denseformer"),
+    (["train.batch_size=16", "train.micro_batch_size=5"], "train.micro_batch_size=5 must divide"),
+    (["train.device=tpu"], "train.device='tpu'"),
+    (["model.n_heads=3"], "model.n_heads=3 must divide model.d_model"),
+    (["train.seq_len=64", "model.max_seq_len=32"], "train.seq_len=64 exceeds model.max_seq_len=32"),
+])
+def test_bad_values_are_one_config_error_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        validate(compose(overrides))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name,jobs", [
+    ("ablation", 26), ("ablation_gpu", 26), ("block_size", 7), ("block_size_gpu", 7), ("scaling", 15),
+    ("scaling_gpu", 15), ("arch", 18), ("arch_gpu", 50),
+])
+def test_every_job_of_every_sweep_validates(name, jobs):
+    found = sweep_jobs([f"+sweep={name}"])
+    assert len(found) == jobs
+    if name.endswith("_gpu"):  # the GPU grids repeat the CPU ones' structure: first, middle, last
+        found = [found[0], found[len(found) // 2], found[-1]]
+    for overrides, cfg in found:
+        spec = validate(cfg)
+        assert spec.cfg.sweep.name == name.removesuffix("_gpu"), overrides
+
+
+def test_the_sweep_folder_holds_the_ready_sweeps_and_the_optuna_one():
+    assert set(SWEEPS) >= {"ablation", "block_size", "scaling", "arch", "lr"}
+    assert compose(["+sweep=lr"]).sweep.name == "lr"
+
+
+def test_block_size_sweep_cells_map_onto_the_residual():
+    for cell, (variant, size) in {"S1": ("block", 1), "S32": ("block", 32), "baseline": ("baseline", 4)}.items():
+        spec = validate(compose(["+sweep=block_size", f"sweep.cell={cell}"]))
+        assert (spec.cfg.residual.name, spec.cfg.residual.block_size) == (variant, size)
+        assert spec.cfg.model.layers == 16
+
+
+def test_arch_sweep_shapes_meet_the_parameter_budget():
+    for r in (15, 30, 60):
+        for h in (0.3, 0.7):
+            spec = validate(compose(["+sweep=arch", f"sweep.arch.d_model_per_layer={r}",
+                                     f"sweep.arch.heads_per_layer={h}"]))
+            budget = OmegaConf.select(compose(["+sweep=arch"]), "sweep.arch.params")
+            got = spec.counts["count.params_non_embedding"]
+            assert 0.75 * budget < got < 1.25 * budget, (r, h, got, budget)
+            m = spec.cfg.model
+            assert m.d_model % m.n_heads == 0 and (m.d_model // m.n_heads) % 2 == 0
+
+
+# --- the command line: exit code, one clear line, nothing half-made --------------------------
+
+def _nothing_written(tmp):
+    assert not (tmp / "ckpt").exists(), "a checkpoint folder was created"
+    assert not (tmp / "out").exists() and not (tmp / "multirun").exists(), "a Hydra output folder was left"
+    assert not (tmp / "mlflow.db").exists(), "a tracking database was created"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["residual=block", "residual.num_blocks=3"],
+     "residual.num_blocks=3 must divide the number of sublayers L=4 (2 × model.layers); allowed: 1, 2, 4"),
+    (["residual.name=blok"], "residual.name='blok' is not a known variant; allowed: baseline"),
+])
+def test_cli_config_error_exits_2_with_the_key_and_allowed_values(tmp_path, args, expected):
+    result = run_cli([*TINY, *args], tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert expected in result.stderr
+    assert len([l for l in result.stderr.splitlines() if l.startswith("error:")]) == 1
+    _nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["residual=blok"], "Could not find 'residual/blok'"),  # Hydra lists the options next
+    (["train.foo=1"], "Key 'foo' not in 'TrainConfig'"),
+    (["train.batch_size=abc"], "train.batch_size"),
+])
+def test_cli_unknown_option_or_key_fails_before_anything_runs(tmp_path, args, expected):
+    result = run_cli([*TINY, *args], tmp_path)
+    assert result.returncode != 0
+    assert expected in result.stderr
+    if args == ["residual=blok"]:
+        assert "block_multihead" in result.stderr  # the allowed values
+    _nothing_written(tmp_path)
+
+
+def test_multirun_with_one_bad_job_stops_before_any_run(tmp_path):
+    result = run_cli(["-m", "residual=baseline,block", "residual.num_blocks=3", *TINY], tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "job 1 (residual=block" in result.stderr and "residual.num_blocks=3 must divide" in result.stderr
+    _nothing_written(tmp_path)
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    result = run_cli(["--cfg", "job", "residual=block"], tmp_path)
+    assert result.returncode == 0
+    cfg = OmegaConf.create(result.stdout)
+    assert cfg.residual.name == "block" and "train" in cfg and "tracking" in cfg
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["data=text", "data.path=/no/such/corpus"], "/no/such/corpus: no such file or folder"),
+    (["data=shards"], "data.path"),  # required (???) for shards
+])
+def test_cli_bad_data_exits_2_before_anything_runs(tmp_path, args, expected):
+    result = run_cli([*TINY, *args], tmp_path)
+    assert result.returncode != 0
+    assert expected in result.stderr
+    _nothing_written(tmp_path)

@@ -1,0 +1,74 @@
+"""Resume: a run killed (like kill -9) after a checkpoint, rerun with the same command, ends exactly
+where an uninterrupted run ends, in one MLflow run with every metric step once."""
+import json
+
+import pytest
+
+from harness_testing import TINY, client, metric_steps, run_cli, runs
+
+# 8 steps, checkpoints every 3: the kill after step 5 loses steps 4-5 (logged or not) and the
+# resumed run recomputes them from the step-3 checkpoint.
+ARGS = [*TINY, "train.steps=8", "train.checkpoint_interval=3", "train.eval_interval=2", "residual=block"]
+
+
+def _final(result) -> float:
+    line = [l for l in result.stderr.splitlines() if "val loss" in l][-1]
+    return float(line.split("val loss ")[1].split()[0].rstrip(",)"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli(ARGS, tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = runs(tmp)
+    return tmp, run
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resumed")
+    # Flushing every metric at once puts steps 4-5 in MLflow before the kill: the resumed run
+    # recomputes them from the step-3 checkpoint and must not log them twice.
+    killed = run_cli([*ARGS, "tracking.flush_seconds=0"], tmp, env={"ATTNRES_TEST_KILL_AT_STEP": "5"})
+    assert killed.returncode == 137, killed.stderr[-3000:]
+    (run,) = runs(tmp)
+    assert run.info.status == "RUNNING"  # killed: nobody ended it
+    assert metric_steps(tmp, run.info.run_id, "train/loss") == [1, 2, 3, 4, 5]
+    record = json.loads(next((tmp / "ckpt").rglob("run.json")).read_text())
+    assert record["status"] == "running" and record["mlflow_run_id"] == run.info.run_id
+    again = run_cli(ARGS, tmp)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return tmp, again
+
+
+def test_resumed_run_ends_exactly_like_the_uninterrupted_one(uninterrupted, resumed):
+    (tmp_u, run_u), (tmp_r, _) = uninterrupted, resumed
+    (run_r,) = runs(tmp_r)  # one MLflow run, continued
+    assert run_r.info.status == "FINISHED" and run_r.data.tags["attnres.resumed_at_step"] == "3"
+    assert run_r.data.metrics["final/val_loss"] == run_u.data.metrics["final/val_loss"]  # exactly
+    for key in ("train/loss", "val/loss", "train/lr"):
+        u = [(m.step, m.value) for m in client(tmp_u).get_metric_history(run_u.info.run_id, key)]
+        r = [(m.step, m.value) for m in client(tmp_r).get_metric_history(run_r.info.run_id, key)]
+        assert sorted(r) == sorted(u), key
+
+
+def test_no_duplicated_or_missing_metric_steps(resumed):
+    tmp, _ = resumed
+    (run,) = runs(tmp)
+    for key in run.data.metrics:
+        steps = metric_steps(tmp, run.info.run_id, key)
+        assert len(steps) == len(set(steps)), (key, steps)
+    assert sorted(metric_steps(tmp, run.info.run_id, "train/loss")) == list(range(1, 9))
+    assert sorted(metric_steps(tmp, run.info.run_id, "val/loss")) == [2, 4, 6, 8]
+    assert sorted(metric_steps(tmp, run.info.run_id, "depth/output_rms/block_00")) == [3, 6, 8]
+
+
+def test_rerunning_a_finished_run_returns_its_result_without_training(resumed):
+    tmp, finished = resumed
+    again = run_cli(ARGS, tmp)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished" in again.stderr
+    (run,) = runs(tmp)
+    assert sorted(metric_steps(tmp, run.info.run_id, "train/loss")) == list(range(1, 9))
+    assert _final(again) == pytest.approx(_final(finished), abs=1e-4)

@@ -1,0 +1,177 @@
+"""Pieces of the harness in-process: schedules, optimizers, checkpoints, failure and pruning paths."""
+import math
+import os
+
+import pytest
+import torch
+
+from harness import checkpoint, job, pruning
+from harness.config import ScheduleConfig, ScheduleName, DecayShape, validate
+from harness.optim import build_optimizer, lr_multiplier
+from harness_testing import restore_process_state  # noqa: F401  (a fixture, used below)
+from harness_testing import TINY, client, compose, isolated, runs
+
+pytestmark = pytest.mark.usefixtures("restore_process_state")
+
+
+def _overrides(tmp, *extra):
+    keep = [o for o in isolated(tmp) if not o.startswith("hydra.")]
+    return [*TINY, *keep, *extra]
+
+
+# --- schedules and optimizers ------------------------------------------------------------------
+
+def test_cosine_warms_up_then_decays_to_the_floor():
+    s = ScheduleConfig(name=ScheduleName.cosine, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_multiplier(s, i, 100) for i in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+@pytest.mark.parametrize("shape", list(DecayShape))
+def test_wsd_is_flat_then_decays_over_its_last_fraction(shape):
+    s = ScheduleConfig(name=ScheduleName.wsd, warmup_steps=5, min_lr_ratio=0.0, decay_fraction=0.2, decay_shape=shape)
+    lrs = [lr_multiplier(s, i, 100) for i in range(100)]
+    assert lrs[5:80] == [1.0] * 75
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-12) and lrs[80] < 1.0
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_optimizers_step_and_round_trip_their_state(name, tmp_path):
+    spec = validate(compose(_overrides(tmp_path, f"optim={name}")))
+    from attnres import DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM(spec.cfg.model, spec.cfg.residual)
+    opt = build_optimizer(model, spec.cfg.optim)
+    x = torch.randint(0, 256, (2, 16))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x, x)[1].backward()
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()) if b.grad is not None)
+    state = opt.state_dict()
+    opt2 = build_optimizer(model, spec.cfg.optim)
+    opt2.load_state_dict(state)
+    assert len(opt2.param_groups) == len(opt.param_groups)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path):
+    folder = checkpoint.RunFolder(tmp_path / "run").acquire(fresh=False)
+    folder.save({"step": 1, "w": torch.ones(3)})
+
+    class Boom(Exception):
+        pass
+
+    def failing_save(obj, path):
+        open(path, "wb").write(b"half a checkpoint")
+        raise Boom("disk full")
+
+    real = torch.save
+    torch.save = failing_save
+    try:
+        with pytest.raises(Boom):
+            folder.save({"step": 2})
+    finally:
+        torch.save = real
+    assert folder.load()["step"] == 1
+    assert [p.name for p in folder.path.iterdir() if p.name.endswith(".tmp")] == []
+    folder.release()
+
+
+def test_a_second_process_cannot_take_a_busy_run_folder(tmp_path):
+    first = checkpoint.RunFolder(tmp_path / "run").acquire(fresh=False)
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, %r); from harness.checkpoint import RunFolder, RunBusy\n"
+            "try:\n    RunFolder(__import__('pathlib').Path(%r)).acquire(fresh=False)\n"
+            "except RunBusy:\n    sys.exit(3)\n") % (str(checkpoint.PROJECT_ROOT), str(tmp_path / "run"))
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 3
+    first.release()
+
+
+def test_the_run_key_ignores_where_a_run_logs_but_not_what_it_computes(tmp_path):
+    from harness.config import to_plain
+
+    base = to_plain(validate(compose(_overrides(tmp_path))).cfg)
+    other_uri = to_plain(validate(compose(_overrides(tmp_path, "tracking.uri=sqlite:////elsewhere.db"))).cfg)
+    other_lr = to_plain(validate(compose(_overrides(tmp_path, "optim.lr=0.01"))).cfg)
+    assert checkpoint.run_key(base) == checkpoint.run_key(other_uri) != checkpoint.run_key(other_lr)
+
+
+# --- outcomes in MLflow ----------------------------------------------------------------------------
+
+def test_nan_loss_fails_the_run_with_step_and_reason(tmp_path, monkeypatch):
+    from attnres import DecoderLM
+
+    real_forward = DecoderLM.forward
+    calls = {"n": 0}
+
+    def nan_at_third_step(self, idx, targets=None):
+        logits, loss = real_forward(self, idx, targets)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(DecoderLM, "forward", nan_at_third_step)
+    with pytest.raises(FloatingPointError, match="non-finite training loss .* at step 3"):
+        job.run(compose(_overrides(tmp_path)))
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["attnres.status"] == "FAILED"
+    assert run.data.tags["attnres.failure_step"] == "3"
+    assert "non-finite training loss" in run.data.tags["attnres.failure"]
+    record = checkpoint.RunFolder(next((tmp_path / "ckpt").rglob("run.json")).parent)
+    assert record.load()["step"] == 2  # the last good checkpoint is kept
+
+
+class _PruneAtFirstReport:
+    number = 7
+
+    def report(self, value, step):
+        self.step = step
+
+    def should_prune(self):
+        return True
+
+
+def test_a_pruned_trial_ends_killed_with_the_pruned_tags(tmp_path):
+    with pruning.bind(_PruneAtFirstReport()):
+        with pytest.raises(pruning.TrialPruned):
+            job.run(compose(_overrides(tmp_path)))
+    (run,) = runs(tmp_path)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["attnres.status"] == "PRUNED" and run.data.tags["pruned"] == "true"
+    assert run.data.tags["attnres.role"] == "trial" and run.data.tags["optuna.trial_number"] == "7"
+
+
+def test_parent_run_id_makes_the_run_a_child_of_that_parent(tmp_path):
+    c = client(tmp_path)
+    from harness.tracking import client_for, experiment_id
+
+    exp = experiment_id(client_for(f"sqlite:///{tmp_path / 'mlflow.db'}"), "default", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = c.create_run(exp, tags={"attnres.role": "study"}).info.run_id
+    value = job.run(compose(_overrides(tmp_path, f"tracking.parent_run_id={parent}")))
+    child = [r for r in runs(tmp_path) if r.info.run_id != parent][0]
+    assert child.data.tags["mlflow.parentRunId"] == parent
+    assert child.data.metrics["final/val_loss"] == value and math.isfinite(value)
+
+
+def test_tracking_off_still_trains_and_returns_the_loss(tmp_path):
+    value = job.run(compose(_overrides(tmp_path, "tracking=off")))
+    assert math.isfinite(value) and not (tmp_path / "mlflow.db").exists()
+    assert os.path.exists(next((tmp_path / "ckpt").rglob("last.pt")))
+
+
+def test_multihop_data_logs_probe_accuracy_per_hop(tmp_path):
+    overrides = _overrides(tmp_path, "data=multihop", "train.seq_len=64", "data.train_examples=400",
+                           "data.val_examples=40", "data.max_bytes=null")
+    job.run(compose(overrides))
+    (run,) = runs(tmp_path)
+    for k in (1, 2, 3, 4):
+        history = client(tmp_path).get_metric_history(run.info.run_id, f"probe/acc_hop_{k}")
+        assert [m.step for m in history] == [3, 6] and all(0 <= m.value <= 1 for m in history)
