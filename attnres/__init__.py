@@ -7,6 +7,7 @@ The core imports torch only (triton for the fused kernels, when present):
 """
 from .config import VARIANTS, ModelConfig, ResidualConfig
 from .depth_attention import depth_read
+from . import nn  # attnres.nn.TransformerEncoder, the RFC's integration form
 from .io import load, save_pretrained
 from .model import DecoderLM
 from .residuals import (
