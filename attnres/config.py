@@ -65,7 +65,8 @@ class ModelConfig:
             )
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(
-                f"head dimension d_model/n_heads={self.d_model // self.n_heads} must be even for RoPE"
+                f"model.d_model={self.d_model} / model.n_heads={self.n_heads} gives head dimension "
+                f"{self.d_model // self.n_heads}, which must be even for RoPE"
             )
 
     @property

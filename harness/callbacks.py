@@ -112,9 +112,14 @@ class MLflowMultirunCallback(Callback):
         base = _without_hydra(config)
         if not base.tracking.enabled or rank() != 0:
             return
-        from harness.tracking import client_for, experiment_id
+        from harness.tracking import TrackingUnreachable, check_tracking_uri, client_for, experiment_id
 
         uri = base.tracking.uri
+        try:
+            check_tracking_uri(uri)  # a dead server or a bad URI: one line, exit 2, no job started
+        except TrackingUnreachable as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
         self.client = client_for(uri)
         exp_id = experiment_id(self.client, base.tracking.experiment or base.sweep.name, uri)
         if base.tracking.parent_run_id or _sweeper_manages_runs(config):

@@ -37,7 +37,7 @@ from harness import instrument, provenance
 from harness.checkpoint import RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate
 from harness.data import DataError, TokenData, load_data
-from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_reachable, replay_folder
+from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_tracking_uri, replay_folder
 from harness.train import NonFiniteLoss, StopRequested, Trainer, pruning
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def run(cfg: DictConfig) -> float:
             torch.set_num_threads(spec.cfg.train.threads)
         data = load_data(spec.cfg.data, spec.cfg.train.seq_len)
         if spec.cfg.tracking.enabled and rank() == 0:
-            check_reachable(spec.cfg.tracking.uri)  # a dead server: seconds, not minutes of retries
+            check_tracking_uri(spec.cfg.tracking.uri)  # a dead server: seconds, not minutes of retries
     except (ConfigError, DataError, TrackingUnreachable) as error:
         return _bad_input(error, multirun, output_dir)
 
@@ -104,6 +104,11 @@ def run(cfg: DictConfig) -> float:
             folder.acquire(fresh=not spec.cfg.train.resume)
         except RunBusy as error:
             return _bad_input(error, multirun, output_dir)
+        except OSError as error:  # a checkpoint_dir that cannot exist or be written
+            return _bad_input(ConfigError(
+                f"train.checkpoint_dir={spec.cfg.train.checkpoint_dir}: cannot create the run folder "
+                f"{folder.path} ({error.strerror}); allowed: a writable folder (null = <project root>/checkpoints)"
+            ), multirun, output_dir)
     try:
         return _run_in_folder(spec, plain, data, folder if main else None, multirun, output_dir, overrides)
     finally:

@@ -61,7 +61,27 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BA
 
 
 class TrackingUnreachable(ValueError):
-    """The tracking server of tracking.uri does not answer (one line, naming the URI)."""
+    """tracking.uri cannot be used: no server answers there, or it is no store (one line)."""
+
+
+SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file", "databricks")
+
+
+def check_tracking_uri(uri: str) -> None:
+    """tracking.uri checked before anything runs (one line, TrackingUnreachable): a scheme MLflow
+    can store runs in, a SQLite database whose folder can exist, a server that answers."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0] if ":" in uri else ""
+    if scheme not in SCHEMES and not Path(uri).is_absolute():
+        raise TrackingUnreachable(f"tracking.uri={uri}: not a tracking store; allowed: "
+                                  "http(s)://host:port, sqlite:///path.db, postgresql://…, mysql://…, file:/path")
+    db = sqlite_path(uri)
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise TrackingUnreachable(f"tracking.uri={uri}: cannot create the folder {db.parent} "
+                                      f"({error.strerror}); allowed: a sqlite:/// path in a writable folder") from None
+    check_reachable(uri)
 
 
 def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT) -> None:

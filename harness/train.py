@@ -167,6 +167,12 @@ class Trainer:
         an older checkpoint; a disk that stays full shows up in the tags of every run it hits."""
         if self.folder is None or rank() != 0:
             return
+        # The loss is checked before each update, but the update itself can overflow the weights
+        # (a loss that was finite, a learning rate far too high): such a state must never replace
+        # the last good checkpoint. One host sync per checkpoint, not per step.
+        if not bool(torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()):
+            raise NonFiniteLoss(f"non-finite weights after step {self.step} (the update diverged); "
+                                "checkpoint not written, the previous one is kept", self.step)
         self.tracker.flush()  # every step up to the checkpoint is in MLflow before it exists
         try:
             self.folder.save(self.state_dict())

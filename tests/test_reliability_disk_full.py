@@ -1,0 +1,43 @@
+"""A checkpoint write that fails (full disk, simulated in-process: the writer dies half-way with
+ENOSPC) keeps the previous checkpoint intact and loadable; training goes on, retries at the next
+interval, and the run says so in its tags."""
+import errno
+
+import pytest
+import torch
+
+from harness import checkpoint, job
+from harness_testing import restore_process_state  # noqa: F401  (a fixture, used below)
+from harness_testing import TINY, compose, isolated, metric_steps, runs
+
+pytestmark = pytest.mark.usefixtures("restore_process_state")
+
+
+def test_a_full_disk_keeps_the_last_checkpoint_and_training_goes_on(tmp_path, monkeypatch):
+    real_save = torch.save
+    writes = []
+
+    def disk_full_after_the_first_checkpoint(obj, path, *args, **kwargs):
+        if isinstance(obj, dict) and "optimizer" in obj:  # a checkpoint, not another file
+            writes.append(obj["step"])
+            if len(writes) > 1:
+                with open(path, "wb") as handle:
+                    handle.write(b"half a checkpoint")  # what a full disk leaves behind
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_after_the_first_checkpoint)
+    overrides = [*TINY, *(o for o in isolated(tmp_path) if not o.startswith("hydra.")),
+                 "tracking.log_code=false", "tracking.log_env=false"]
+    value = job.run(compose(overrides))  # steps 6, a checkpoint every 2: written at 2, fails at 4 and 6
+
+    assert writes == [2, 4, 6]  # it retried at every interval
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.metrics["final/val_loss"] == value
+    assert run.data.tags["attnres.checkpoint_failures"] == "2"
+    assert "step 6 not written" in run.data.tags["attnres.checkpoint_error"]
+    assert "No space left on device" in run.data.tags["attnres.checkpoint_error"]
+    assert metric_steps(tmp_path, run.info.run_id, "train/loss") == [1, 2, 3, 4, 5, 6]
+    folder = checkpoint.RunFolder(next((tmp_path / "ckpt").rglob("run.json")).parent)
+    assert folder.load()["step"] == 2  # the previous checkpoint, intact and loadable
+    assert not [p for p in folder.path.iterdir() if p.name.endswith(".tmp")]  # no half file left

@@ -1,0 +1,59 @@
+"""Preemption: SIGTERM during training checkpoints, ends the MLflow run KILLED and exits with
+REQUEUE_EXIT (75); the requeued command resumes into the same MLflow run, every metric step once."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from harness.job import REQUEUE_EXIT
+from harness_testing import ROOT, TINY, isolated, metric_steps, run_cli, runs
+
+STEPS = 60
+# Long enough to be caught mid-run (a flush per step slows each step to a few ms of SQLite work).
+ARGS = [*TINY, f"train.steps={STEPS}", "train.checkpoint_interval=5", "train.eval_interval=20",
+        "train.instrument_interval=30", "tracking.flush_seconds=0", "tracking.log_code=false",
+        "tracking.log_env=false", "tracking.log_model=false", "tracking.log_plots=false"]
+
+
+def _start(tmp):
+    env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *ARGS, *isolated(tmp)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_checkpoints_ends_killed_asks_for_requeue_and_resumes_into_the_same_run(tmp_path):
+    proc = _start(tmp_path)
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "ckpt").rglob("last.pt")):  # the first checkpoint: training is on
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == REQUEUE_EXIT == 75, stderr[-3000:]
+    assert "requeue" in stderr
+
+    (run,) = runs(tmp_path)
+    assert run.info.status == "KILLED" and run.data.tags["attnres.status"] == "KILLED"
+    assert "StopRequested" in run.data.tags["attnres.failure"]
+    folder = next((tmp_path / "ckpt").rglob("run.json")).parent
+    record = json.loads((folder / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["mlflow_run_id"] == run.info.run_id
+    import torch
+
+    stopped = torch.load(folder / "last.pt", weights_only=True)["step"]
+    assert 5 <= stopped < STEPS  # checkpointed at the step it stopped, not only at an interval
+    assert metric_steps(tmp_path, run.info.run_id, "train/loss") == list(range(1, stopped + 1))
+
+    again = run_cli(ARGS, tmp_path)  # the requeued job: the same command
+    assert again.returncode == 0, again.stderr[-3000:]
+    (run,) = runs(tmp_path)  # still one run: the same one, continued
+    assert run.info.status == "FINISHED" and run.data.tags["attnres.status"] == "FINISHED"
+    assert run.data.tags["attnres.resumed_at_step"] == str(stopped)
+    for key in ("train/loss", "train/lr", "val/loss"):
+        steps = metric_steps(tmp_path, run.info.run_id, key)
+        assert len(steps) == len(set(steps)), key
+    assert sorted(metric_steps(tmp_path, run.info.run_id, "train/loss")) == list(range(1, STEPS + 1))
+    assert sorted(metric_steps(tmp_path, run.info.run_id, "val/loss")) == [20, 40, 60]
