@@ -182,6 +182,7 @@ def test_samplers_and_pruners_are_built_from_settings():
         ("tpe", optuna.samplers.TPESampler),
         ("random", optuna.samplers.RandomSampler),
         ("gp", optuna.samplers.GPSampler),
+        ("cmaes", optuna.samplers.CmaEsSampler),
         ("grid", optuna.samplers.GridSampler),
     ]:
         conf.sampler.name = name
