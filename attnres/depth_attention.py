@@ -19,8 +19,10 @@ NORMALISERS = ("softmax", "sigmoid")
 
 
 def inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """1/rms over the channel dimension, kept as (..., 1) so it broadcasts over channels."""
-    return torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    """1/rms over the channel dimension, kept as (..., 1) so it broadcasts over channels.
+
+    Through the 2-norm (one reduction, no squared copy of v: this runs once per source)."""
+    return torch.rsqrt(torch.linalg.vector_norm(v, dim=-1, keepdim=True).square() / v.shape[-1] + eps)
 
 
 def normalise_scores(scores: torch.Tensor, normaliser: str, dim: int = -1) -> torch.Tensor:

@@ -22,10 +22,13 @@ Design decisions where the paper is silent:
 - block with L not a multiple of S: the last block takes the remainder (the paper's rule).
 
 Speed without changing the math: RMSNorm_l(v)·w_l = (g_l∘w_l)·v / rms(v). Each source's 1/rms is
-computed once, and, for static queries, its scores for *all* readers come from one matmul with
-the stacked effective queries when the source is completed (phase 1 of the paper's Algorithm 1
-generalised to every schedule). A read then only gathers scores, normalises, and mixes the sources
-in place, never stacking them.
+computed once, shared by all its readers; sources are never stacked. How the reads run is chosen
+in `attnres.kernels` (see kernels/readers.py): the Triton kernels on CUDA, the PyTorch path
+elsewhere (for static queries, a completed source is scored for all its readers by one matmul);
+for static queries with block or full sources, the two-phase schedule of the paper's Algorithm 1
+(phase 1 reads the sources completed before a chunk of sublayers once for all of them, phase 2
+merges each sublayer's newer sources by online softmax). Every path and schedule computes the same
+function (tests/test_kernels.py); forcing one: ATTNRES_KERNEL, ATTNRES_SCHEDULE.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..depth_attention import NORMALISERS, inv_rms, normalise_scores
+from .. import kernels
+from ..depth_attention import NORMALISERS
 from .base import Residual, SublayerFn
 
 SOURCES = ("full", "window", "block")
@@ -129,89 +133,43 @@ class AttentionResidual(Residual):
             q = q * torch.stack([n.weight for n in norms])
         return q
 
+    def first_readers(self) -> list[int]:
+        """For each column, the first reader that sees it (readers: the L sublayers, then the
+        output read L): a completed source's scores are only computed for the readers from there
+        on. Plain integers, so that torch.compile traces no data-dependent shapes."""
+        if self.sources == "block":  # block c closes after sublayer c·S − 1 (the last one: L − 1)
+            return [0] + [min(c * self.block_size, self.num_layers) for c in range(1, self.num_columns)]
+        return list(range(self.num_columns))  # the output of sublayer c − 1 is first read by sublayer c
+
     def stream(self, embedding: torch.Tensor, sublayers: Sequence[SublayerFn], want_weights: bool):
-        L = self.num_layers
-        q_all = None if self.query_kind == "scalar" else self.effective_queries()
-        completed: list[_Source] = [self._source(embedding, 0, q_all)]
+        # The read path (PyTorch or Triton kernels) and the Block schedule (per read or two-phase)
+        # are chosen in attnres.kernels; every combination computes the same model.
+        reader = kernels.make_reader(self, embedding, want_weights)
+        reader.add(embedding)
         partial: Optional[torch.Tensor] = None
         prev_h = embedding
         rows: list[torch.Tensor] = []
+        n_completed = 1
         for l, f in enumerate(sublayers):
-            h, alpha = self._read(l, self._visible(completed, l), partial, prev_h, q_all)
+            h, alpha = reader.read(l, partial, prev_h)
             v = f(h)
             self.observe(h, v)
             prev_h = h
             if want_weights:
-                rows.append(self._row(l, alpha, len(completed), partial is not None, h))
+                rows.append(self._row(l, alpha, n_completed, partial is not None, h))
             if self.sources == "block":
                 partial = v if partial is None else partial + v
                 if self.block_ends(l):
-                    completed.append(self._source(partial, len(completed), q_all))
+                    reader.add(partial)
+                    n_completed += 1
                     partial = None
             else:
-                completed.append(self._source(v, l + 1, q_all))
-        out, alpha = self._read(L, self._visible(completed, L), None, prev_h, q_all)
+                reader.add(v)
+                n_completed += 1
+        out, alpha = reader.read(self.num_layers, None, prev_h)
         if want_weights:
-            rows.append(self._row(L, alpha, len(completed), False, out))
+            rows.append(self._row(self.num_layers, alpha, n_completed, False, out))
         return out, (torch.stack(rows) if want_weights else None)
-
-    def _visible(self, completed: list["_Source"], l: int) -> list["_Source"]:
-        if self.sources == "window" and len(completed) > self.window + 1:
-            return completed[:1] + completed[-self.window :]
-        return completed
-
-    def _source(self, v: torch.Tensor, column: int, q_all: Optional[torch.Tensor]) -> "_Source":
-        r = inv_rms(v, self.eps) if self.key_norm else None
-        scores = None
-        if self.query_kind == "static":
-            scores = self._scores(v, q_all, r)  # (B, T, H, L+1): this source scored by every reader
-        return _Source(v, column, r, scores)
-
-    def _scores(self, v: torch.Tensor, q: torch.Tensor, r: Optional[torch.Tensor]) -> torch.Tensor:
-        """Scores of source v for queries q: (R, d) or (d,) static, or (B, T, d) per token.
-        Returns (B, T, H, R), with R = 1 for a single or per-token query."""
-        H = self.heads
-        if q.dim() == 1:
-            q = q[None]
-        if q.dim() == 2 and H == 1:
-            s = (v @ q.t()).unsqueeze(-2)
-        elif q.dim() == 2:
-            s = torch.einsum("...hc,rhc->...hr", v.unflatten(-1, (H, -1)), q.unflatten(-1, (H, -1)))
-        else:
-            s = (v * q).unflatten(-1, (H, -1)).sum(-1).unsqueeze(-1)
-        return s * r.unsqueeze(-1) if r is not None else s
-
-    def _input_query(self, l: int, prev_h: torch.Tensor, q_all: torch.Tensor) -> torch.Tensor:
-        """Per-token query of sublayer l from the previous hidden state; static for the output read."""
-        if l == self.num_layers:
-            return q_all[0]
-        q = self.query_projections[l](prev_h)
-        return q * self.key_norms[l].weight if self.key_norm else q
-
-    def _read(self, l, visible, partial, prev_h, q_all):
-        """Read for reader l (l = L: the output read); returns h and weights (B|1, T|1, H|1, n)."""
-        if self.query_kind == "scalar":
-            cols = [s.column for s in visible] + ([len(visible)] if partial is not None else [])
-            scores = self.mixing_logits[l, cols].view(1, 1, 1, -1)
-        else:
-            if self.query_kind == "static":
-                q_l = q_all[l]
-                cols = [s.scores[..., l] for s in visible]
-            else:
-                q_l = self._input_query(l, prev_h, q_all)
-                cols = [self._scores(s.v, q_l, s.inv_rms)[..., 0] for s in visible]
-            if partial is not None:
-                r = inv_rms(partial, self.eps) if self.key_norm else None
-                cols.append(self._scores(partial, q_l, r)[..., 0])
-            scores = torch.stack(cols, dim=-1)
-        alpha = normalise_scores(scores, self.normaliser, dim=-1)
-        values = [s.v for s in visible] + ([partial] if partial is not None else [])
-        H = self.heads
-        h = None
-        for i, v in enumerate(values):
-            term = alpha[..., i, None] * v.unflatten(-1, (H, -1))
-            h = term if h is None else h + term
-        return h.flatten(-2), alpha
 
     def _row(self, l, alpha, n_completed, has_partial, like) -> torch.Tensor:
         """Scatter one read's weights (mean over heads) into the (B, T, columns) layout."""
@@ -229,15 +187,6 @@ class AttentionResidual(Residual):
         if self.query_kind == "input":
             flops += 2 * d * d * self.num_layers
         return flops
-
-
-class _Source:
-    """A completed source: its value, column in the weight maps, 1/rms and precomputed scores."""
-
-    __slots__ = ("v", "column", "inv_rms", "scores")
-
-    def __init__(self, v, column, inv_rms_, scores):
-        self.v, self.column, self.inv_rms, self.scores = v, column, inv_rms_, scores
 
 
 def _check_choice(name: str, value, allowed) -> None:

@@ -1,0 +1,130 @@
+"""Fast depth reads: Triton kernels (forward and backward) and the PyTorch path, one math.
+
+Which path runs (`use_triton`):
+- `ATTNRES_KERNEL=auto` (default): the Triton kernels for CUDA tensors of type fp32/bf16/fp16 when
+  Triton imports, the PyTorch path otherwise (CPU, float64, no Triton);
+- `ATTNRES_KERNEL=triton`: the kernels on any device; on CPU they need TRITON_INTERPRET=1 set
+  before Triton is first used (that is how the tests run them without a GPU);
+- `ATTNRES_KERNEL=torch`: the PyTorch path everywhere.
+`set_backend(...)` overrides the variable from Python (None: back to the variable). The schedule
+of static-query Block and Full reads (`ATTNRES_SCHEDULE` / `set_schedule`) is "two_phase" (the
+paper's Algorithm 1, default) or "per_read" (one read per sublayer); see readers.py.
+Whichever runs, the model is the same: the paths and schedules are tested against each other and
+against `attnres.depth_read`.
+
+The core imports torch only: Triton is imported when a kernel first runs, never at import time.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional, Sequence
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+SCHEDULES = ("two_phase", "per_read")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_backend: Optional[str] = None
+_schedule: Optional[str] = None
+
+
+def _find_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_TRITON = _find_triton()  # looked up once, without importing Triton (and traceable afterwards)
+
+
+def triton_available() -> bool:
+    """Whether Triton is installed."""
+    return _TRITON
+
+
+def _choice(value: str, allowed, what: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is not known; allowed: {', '.join(allowed)}")
+    return value
+
+
+def set_backend(name: Optional[str]) -> None:
+    """Force the read path: "auto", "triton", "torch", or None to follow ATTNRES_KERNEL."""
+    global _backend
+    _backend = None if name is None else _choice(name, BACKENDS, "backend")
+
+
+def backend() -> str:
+    return _backend or _choice(os.environ.get("ATTNRES_KERNEL", "auto"), BACKENDS, "ATTNRES_KERNEL")
+
+
+def set_schedule(name: Optional[str]) -> None:
+    """Force the schedule of static-query Block/Full reads: "two_phase", "per_read", or None to
+    follow ATTNRES_SCHEDULE."""
+    global _schedule
+    _schedule = None if name is None else _choice(name, SCHEDULES, "schedule")
+
+
+def schedule() -> str:
+    return _schedule or _choice(os.environ.get("ATTNRES_SCHEDULE", "two_phase"), SCHEDULES, "ATTNRES_SCHEDULE")
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether reads over tensors like x run the Triton kernels (see the module docstring)."""
+    mode = backend()
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        if not triton_available():
+            raise RuntimeError("the Triton read path was requested (ATTNRES_KERNEL=triton or set_backend) but Triton is not installed: pip install 'attnres[kernels]'")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 to run on CPU")
+        return True
+    return x.is_cuda and x.dtype in _KERNEL_DTYPES and triton_available()
+
+
+def make_reader(res, x: torch.Tensor, want_weights: bool):
+    """The read path of AttentionResidual `res` for an embedding like x (see readers.py)."""
+    from .readers import FusedReader, TorchReader
+
+    two_phase = schedule() == "two_phase"
+    if res.query_kind != "scalar" and use_triton(x):
+        return FusedReader(res, x, want_weights, two_phase)
+    return TorchReader(res, x, want_weights, two_phase)
+
+
+def fused_depth_read(
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    key_gain: Optional[torch.Tensor] = None,
+    *,
+    key_norm: bool = True,
+    eps: float = 1e-6,
+    normaliser: str = "softmax",
+    heads: int = 1,
+) -> torch.Tensor:
+    """`attnres.depth_read` through the Triton kernels (same arguments, same result): each
+    source's 1/rms by one kernel, then one read kernel over the list of sources."""
+    from ..depth_attention import NORMALISERS
+    from .ops import depth_read_op, inv_rms_op
+
+    _choice(normaliser, NORMALISERS, "normaliser")
+    lead, d = sources[0].shape[:-1], sources[0].shape[-1]
+    if d % heads:
+        raise ValueError(f"heads={heads} must divide d_model={d}")
+    flat = [s.reshape(-1, d).contiguous() for s in sources]
+    q = query * key_gain if (key_gain is not None and key_norm) else query
+    per_token = q.dim() > 1
+    q = q.reshape(-1, d).contiguous() if per_token else q.reshape(1, d).contiguous()
+    rms = [inv_rms_op(s, eps) for s in flat] if key_norm else []
+    out, _ = depth_read_op(flat, rms, q, None, None, heads, normaliser == "sigmoid", per_token, sources[0].dtype)
+    return out[0].view(*lead, d)
+
+
+__all__ = [
+    "BACKENDS", "SCHEDULES", "backend", "fused_depth_read", "make_reader",
+    "schedule", "set_backend", "set_schedule", "triton_available", "use_triton",
+]

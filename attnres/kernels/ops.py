@@ -1,0 +1,159 @@
+"""The Triton kernels as PyTorch operators: `torch.library.custom_op`s with autograd and fake
+(meta) implementations, so that eager autograd, `torch.compile` (no graph break: the op is a
+node of the traced graph, its backward another op) and AOTAutograd all see one operator.
+
+Why custom_op and not triton_op: the kernels read their sources through a table of data pointers
+(no stacking copy), which only exists for real tensors at run time; a triton_op would be traced
+into Inductor's graph with fake tensors, where there are no pointers. The price is that Inductor
+does not fuse into the read, which is a memory-bound kernel of its own anyway.
+
+Registering needs only torch; the kernels module (and Triton) is imported on the first call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _kernels():
+    from . import triton_kernels  # lazy: Triton is optional, and TRITON_INTERPRET is read at import
+
+    return triton_kernels
+
+
+@torch.library.custom_op("attnres::depth_read", mutates_args=())
+def depth_read_op(
+    sources: list[Tensor],
+    inv_rms: list[Tensor],
+    query: Tensor,
+    init_out: Optional[Tensor],
+    init_lse: Optional[Tensor],
+    heads: int,
+    sigmoid: bool,
+    per_token: bool,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """R readers over n sources (each (N, d)); returns out (R, N, d) and lse (R, N, heads).
+
+    query: (R, d) static queries (gain folded in), or (N, d) per token (R = 1) when per_token.
+    inv_rms: each source's 1/rms (N,) in fp32, or empty for raw keys. init_out/init_lse: a
+    running read to continue (the phase-2 merge), or None.
+    """
+    return _kernels().read_forward(list(sources), list(inv_rms), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
+
+
+@depth_read_op.register_fake
+def _(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
+    ref = sources[0] if len(sources) else init_out
+    N, d = ref.shape[-2], ref.shape[-1]
+    R = 1 if per_token else query.shape[0]
+    return ref.new_empty(R, N, d, dtype=out_dtype), ref.new_empty(R, N, heads, dtype=torch.float32)
+
+
+@torch.library.custom_op("attnres::depth_read_backward", mutates_args=())
+def depth_read_backward_op(
+    sources: list[Tensor],
+    inv_rms: list[Tensor],
+    query: Tensor,
+    init_out: Optional[Tensor],
+    init_lse: Optional[Tensor],
+    lse: Tensor,
+    grad_out: Tensor,
+    grad_lse: Optional[Tensor],
+    heads: int,
+    sigmoid: bool,
+    per_token: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d_sources (n, N, d), d_inv_rms (n, N), d_query, d_init_out, d_init_lse); the absent ones
+    are empty tensors (a custom op returns tensors only)."""
+    dsrc, drms, dq, do0, dlse0 = _kernels().read_backward(
+        list(sources), list(inv_rms), query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token
+    )
+    def empty():  # distinct placeholders: outputs of a custom op may not alias one another
+        return grad_out.new_empty(0, dtype=torch.float32)
+
+    return dsrc, (drms if drms is not None else empty()), dq, (do0 if do0 is not None else empty()), (dlse0 if dlse0 is not None else empty())
+
+
+@depth_read_backward_op.register_fake
+def _(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token):
+    R, N, d = grad_out.shape
+    n = len(sources)
+    out = grad_out
+    dsrc = out.new_empty(n, N, d, dtype=sources[0].dtype if n else out.dtype)
+    drms = out.new_empty(n, N, dtype=torch.float32) if len(inv_rms) else out.new_empty(0, dtype=torch.float32)
+    dq = out.new_empty(N if per_token else R, d, dtype=torch.float32)
+    do0 = out.new_empty(R, N, d, dtype=init_out.dtype) if init_out is not None else out.new_empty(0, dtype=torch.float32)
+    dlse0 = out.new_empty(R, N, heads, dtype=torch.float32) if init_out is not None else out.new_empty(0, dtype=torch.float32)
+    return dsrc, drms, dq, do0, dlse0
+
+
+def _setup(ctx, inputs, output):
+    sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, _ = inputs
+    out, lse = output
+    ctx.n_src, ctx.n_rms = len(sources), len(inv_rms)
+    ctx.has_init = init_out is not None
+    ctx.heads, ctx.sigmoid, ctx.per_token = heads, sigmoid, per_token
+    extra = [init_out, init_lse] if ctx.has_init else []
+    ctx.out_dtype = out.dtype
+    ctx.save_for_backward(*sources, *inv_rms, query, lse, *extra)  # not out: backward does not need it
+
+
+def _backward(ctx, grad_out, grad_lse):
+    saved = ctx.saved_tensors
+    n, k = ctx.n_src, ctx.n_rms
+    sources, inv_rms = list(saved[:n]), list(saved[n : n + k])
+    query, lse = saved[n + k : n + k + 2]
+    init_out, init_lse = (saved[n + k + 2], saved[n + k + 3]) if ctx.has_init else (None, None)
+    if grad_out is None:
+        R, N, H = lse.shape
+        grad_out = lse.new_zeros(R, N, query.shape[-1], dtype=ctx.out_dtype)
+    dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(
+        sources, inv_rms, query, init_out, init_lse, lse, grad_out.contiguous(),
+        None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token,
+    )
+    d_sources = list(dsrc.unbind(0)) if n else []
+    d_rms = list(drms.unbind(0)) if k else []
+    return (
+        d_sources, d_rms, dq.to(query.dtype),
+        do0 if ctx.has_init else None, dlse0 if ctx.has_init else None,
+        None, None, None, None,
+    )
+
+
+depth_read_op.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("attnres::inv_rms", mutates_args=())
+def inv_rms_op(x: Tensor, eps: float) -> Tensor:
+    """1/rms of each row of a (N, d) tensor, in fp32: computed once per source, shared by readers."""
+    return _kernels().inv_rms_forward(x, eps)
+
+
+@inv_rms_op.register_fake
+def _(x, eps):
+    return x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("attnres::inv_rms_backward", mutates_args=())
+def inv_rms_backward_op(x: Tensor, rho: Tensor, grad: Tensor) -> Tensor:
+    return _kernels().inv_rms_backward(x, rho, grad)
+
+
+@inv_rms_backward_op.register_fake
+def _(x, rho, grad):
+    return torch.empty_like(x)
+
+
+def _rms_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output)
+
+
+def _rms_backward(ctx, grad):
+    x, rho = ctx.saved_tensors
+    return inv_rms_backward_op(x, rho, grad.contiguous()), None
+
+
+inv_rms_op.register_autograd(_rms_backward, setup_context=_rms_setup)

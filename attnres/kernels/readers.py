@@ -1,0 +1,276 @@
+"""How the reads of an `AttentionResidual` are computed: two paths × two schedules, one math.
+
+Paths:
+- `TorchReader`, the PyTorch path (CPU, float64, the scalar-query variant, and anywhere Triton is
+  absent). Each completed source gets its 1/rms once and, for static queries, its scores for
+  every reader that will see it from one matmul against the stacked effective queries (unbound
+  once, so that a read gathers its column without a scatter in backward). Reads then normalise
+  the gathered scores and mix the sources in place (`mix.mix`, `mix.merge_read`): no stacking.
+- `FusedReader`, the Triton path (`ops.depth_read_op`): per source its 1/rms once (a kernel), and
+  each read one kernel launch over the list of sources, scores computed in the kernel.
+
+Schedules, for static queries with `sources="block"` or `"full"`:
+- per read: every sublayer reads all its visible sources in one read;
+- two-phase (paper, Algorithm 1): the sublayers are taken in chunks — Block: the S sublayers of
+  a block; Full: runs of `FULL_CHUNK` consecutive sublayers (the same algorithm, since queries do
+  not depend on the input: the paper's observation holds for any group of readers). At the first
+  sublayer of a chunk, one read of the sources completed before the chunk by all the chunk's
+  queries (phase 1: those sources are read once; each query keeps its normalised output o and
+  log-sum-exp ℓ). Each sublayer of the chunk then continues its own read with the sources that
+  appeared inside the chunk — Block: the partial sum b_n^{i-1}; Full: the outputs of the chunk's
+  earlier sublayers — merged by online softmax (phase 2): with logits t_k of those sources,
+  h = (e^ℓ·o + Σ_k e^{t_k}·u_k) / (e^ℓ + Σ_k e^{t_k}). That is exactly the softmax over all visible
+  sources (and, with t = log σ(s), the renormalised sigmoid), so the schedule never changes the
+  model. Per token and layer, Full AttnRes then reads about L/(2·C) + C/2 sources instead of L/2.
+The output read joins the last chunk as one more reader (its phase-1 read is shared, and it
+merges the last chunk's sources). Window, input-dependent and scalar queries always read per
+sublayer. Default: two-phase (`attnres.kernels.schedule`, ATTNRES_SCHEDULE).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..depth_attention import inv_rms, normalise_scores
+from .mix import acc_dtype, merge_read, mix, source_scores
+
+FULL_CHUNK = 4  # sublayers per phase-1 read for Full AttnRes (Block uses its block size)
+
+
+class _Source:
+    __slots__ = ("v", "column", "rho", "cols", "first")
+
+    def __init__(self, v, column, rho, cols=None, first=0):
+        # v (N, d); rho: 1/rms (N, 1) or (N,), or None; cols[l - first]: scores (N, H) for reader l.
+        self.v, self.column, self.rho, self.cols, self.first = v, column, rho, cols, first
+
+
+class _ReaderBase:
+    def __init__(self, res, x: torch.Tensor, want_weights: bool, two_phase: bool):
+        self.res = res
+        self.lead, self.d = x.shape[:-1], x.shape[-1]
+        self.N = x.numel() // self.d
+        self.H, self.L = res.heads, res.num_layers
+        self.sigmoid = res.normaliser == "sigmoid"
+        self.dtype = x.dtype
+        self.want_weights = want_weights
+        self.q_all = None if res.query_kind == "scalar" else res.effective_queries()
+        self.two_phase = two_phase and res.sources in ("block", "full") and res.query_kind == "static"
+        self.chunk = res.block_size if res.sources == "block" else FULL_CHUNK
+        self.completed: list[_Source] = []
+        self.phase = None  # state of the current chunk, set by its first sublayer
+
+    # --- shared helpers ------------------------------------------------------------------------
+    def visible(self) -> list[_Source]:
+        W = self.res.window
+        if self.res.sources == "window" and len(self.completed) > W + 1:
+            return self.completed[:1] + self.completed[-W:]
+        return self.completed
+
+    def flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(self.N, self.d)
+
+    def weights_shape(self, alpha: torch.Tensor) -> torch.Tensor:
+        """(N, H, n) → (*lead, H, n), the layout AttentionResidual._row scatters into columns."""
+        return alpha.reshape(*self.lead, self.H, alpha.shape[-1]) if alpha.shape[0] == self.N else alpha
+
+    def query(self, l: int, prev_h: torch.Tensor) -> torch.Tensor:
+        """Effective query of reader l: (d,) static or (N, d) per token (gain folded in)."""
+        res = self.res
+        if res.query_kind == "input":
+            if l == self.L:
+                return self.q_all[0]
+            q = res.query_projections[l](prev_h)
+            q = q * res.key_norms[l].weight if res.key_norm else q
+            return self.flat(q)
+        return self.q_all[l]
+
+    def torch_logits(self, v: torch.Tensor, rho: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+        """Scores (N, H) of source v (N, d) for one query (d,) or (N, d), with 1/rms rho."""
+        H = self.H
+        if q.dim() == 1 and H == 1:
+            s = (v @ q.to(v.dtype)).unsqueeze(-1)
+        elif q.dim() == 1:
+            s = torch.linalg.vecdot(v.view(self.N, H, -1), q.to(v.dtype).view(H, -1))  # by head
+        else:
+            s = torch.linalg.vecdot(v.view(self.N, H, -1), q.to(v.dtype).view(self.N, H, -1))
+        return s * rho.view(self.N, 1) if rho is not None else s
+
+    def extras(self, l: int, partial: Optional[torch.Tensor]) -> list[_Source]:
+        """Sources that appeared inside reader l's chunk, what phase 2 adds to the phase-1 read:
+        Full: the chunk's earlier outputs; Block: the partial sum (and, for the output read, the
+        last block, completed inside the last chunk)."""
+        inside = self.completed[self.phase["n_before"] :]
+        return inside + ([_Source(self.flat(partial), -1, None)] if partial is not None else [])
+
+    def merge_weights(self, l: int, extras: list[_Source]) -> torch.Tensor:
+        """Depth weights of a two-phase read (for the recorder only; never changes the output)."""
+        with torch.no_grad():
+            i = l - self.phase["start"]
+            lse, alpha = self.phase["lse"][i], self.phase["alpha"][i]
+            t = [lse]
+            for src in extras:
+                u = src.v
+                rho = inv_rms(u, self.res.eps) if self.res.key_norm else None
+                s = self.torch_logits(u, rho, self.q_all[l])
+                t.append(F.logsigmoid(s) if self.sigmoid else s)
+            w = torch.softmax(torch.stack(t, -1).to(acc_dtype(self.dtype)), -1)
+            return torch.cat([alpha * w[..., :1], w[..., 1:]], -1)
+
+    def read(self, l: int, partial: Optional[torch.Tensor], prev_h: torch.Tensor):
+        if self.two_phase:
+            if l < self.L and l % self.chunk == 0:
+                stop = min(l + self.chunk, self.L)
+                # The output read joins the last chunk as one more reader: its phase-1 read of the
+                # sources before that chunk is shared, and it merges the chunk's new sources.
+                self.phase_one(l, stop + 1 if stop == self.L else stop)
+            h, alpha = self.phase_two(l, self.extras(l, partial))
+        else:
+            h, alpha = self.read_once(l, None if partial is None else self.flat(partial), prev_h)
+        return h.view(*self.lead, self.d), (self.weights_shape(alpha) if alpha is not None else None)
+
+
+class TorchReader(_ReaderBase):
+    """The PyTorch path (see the module docstring)."""
+
+    def __init__(self, res, x, want_weights, two_phase):
+        super().__init__(res, x, want_weights, two_phase)
+        self.static = res.query_kind == "static"
+        if self.static:
+            self.first_reader = res.first_readers()
+
+    def add(self, v: torch.Tensor) -> None:
+        res, v = self.res, self.flat(v)
+        column = len(self.completed)
+        if not self.static:
+            self.completed.append(_Source(v, column, inv_rms(v, res.eps) if res.key_norm else None))
+            return
+        first = self.first_reader[column]
+        # Scores for every reader that will ever see this source, in one product.
+        s = source_scores(v, self.q_all[first:], self.H, res.eps if res.key_norm else None)
+        self.completed.append(_Source(v, column, None, s.unbind(-1), first))
+
+    def read_once(self, l, partial, prev_h):
+        visible = self.visible()
+        values = [s.v for s in visible] + ([partial] if partial is not None else [])
+        if self.res.query_kind == "scalar":
+            cols = [s.column for s in visible] + ([len(visible)] if partial is not None else [])
+            scores = self.res.mixing_logits[l, cols].to(acc_dtype(self.dtype)).view(1, 1, -1)
+            alpha = normalise_scores(scores, self.res.normaliser, dim=-1)
+            return mix(alpha.expand(self.N, self.H, -1)[None], values, self.dtype)[0], alpha
+        if self.static:
+            q, cols = self.q_all[l], [s.cols[l - s.first] for s in visible]
+        else:
+            q = self.query(l, prev_h)
+            cols = [self.torch_logits(s.v, s.rho, q) for s in visible]
+        if partial is not None:
+            rho = inv_rms(partial, self.res.eps) if self.res.key_norm else None
+            cols.append(self.torch_logits(partial, rho, q))
+        alpha = normalise_scores(torch.stack(cols, dim=-1), self.res.normaliser, dim=-1)  # (N, H, n)
+        return mix(alpha[None], values, self.dtype)[0], alpha
+
+    def phase_one(self, start: int, stop: int) -> None:
+        """One read of the sources completed before the chunk, by every query of the chunk."""
+        before = list(self.completed)
+        t = torch.stack([torch.stack([s.cols[r - s.first] for s in before], -1) for r in range(start, stop)])
+        t = F.logsigmoid(t) if self.sigmoid else t  # σ_i/Σσ_j = softmax_i(log σ_i)
+        lse = torch.logsumexp(t, -1)  # (R, N, H)
+        alpha = torch.exp(t - lse.unsqueeze(-1))
+        # Readers after the first merge (phase 2), and their merges supply their weight gradient.
+        o = mix(alpha, [s.v for s in before], acc_dtype(self.dtype), alpha_grad_readers=1)
+        self.phase = dict(start=start, n_before=len(before), o=o, lse=lse.unbind(0), alpha=alpha.unbind(0), sources=before)
+
+    def phase_two(self, l: int, extras: list[_Source]):
+        i = l - self.phase["start"]
+        o, lse = self.phase["o"][i], self.phase["lse"][i]
+        weights = self.merge_weights(l, extras) if self.want_weights else None
+        if i == 0:  # the chunk's first sublayer: its phase-1 read is all it reads
+            return o.to(self.dtype), weights
+        h = merge_read(
+            o, lse, self.q_all[l], [src.v for src in extras], self.phase["alpha"][i], [s.v for s in self.phase["sources"]],
+            eps=self.res.eps, key_norm=self.res.key_norm, sigmoid=self.sigmoid, out_dtype=self.dtype,
+        )
+        return h, weights
+
+
+class FusedReader(_ReaderBase):
+    """The Triton path (see the module docstring). Depth weights, only computed when recorded,
+    come from the PyTorch formula beside the kernel's output, which they never change.
+
+    A kernel reads sources of one storage type. Under autocast the embedding is fp32 while the
+    sublayers return bf16/fp16, so the sources are kept in the sublayers' type: the embedding is
+    cast once, when the first sublayer output arrives (its 1/rms stays the fp32 one)."""
+
+    def __init__(self, res, x, want_weights, two_phase):
+        super().__init__(res, x, want_weights, two_phase)
+        self.store = None  # storage type of the sources
+
+    def stored(self, v: torch.Tensor) -> torch.Tensor:
+        v = self.flat(v)
+        if self.store is None:
+            self.store = v.dtype
+        elif v.dtype != self.store:
+            if len(self.completed) == 1 and self.completed[0].v.dtype == self.store:
+                self.store = v.dtype  # the first sublayer output: adopt its type
+                self.completed[0].v = self.completed[0].v.to(v.dtype)
+            else:
+                v = v.to(self.store)
+        return v.contiguous()
+
+    def add(self, v: torch.Tensor) -> None:
+        from .ops import inv_rms_op
+
+        rho = inv_rms_op(self.flat(v).contiguous(), self.res.eps) if self.res.key_norm else None
+        self.completed.append(_Source(self.stored(v), len(self.completed), rho))
+
+    def _op(self, sources, rhos, q, init=None, out_dtype=None, per_token=False):
+        from .ops import depth_read_op
+
+        if q.dim() == 1:
+            q = q[None]
+        o0, lse0 = init if init is not None else (None, None)
+        return depth_read_op(
+            sources, [r for r in rhos if r is not None], q.contiguous(), o0, lse0, self.H, self.sigmoid,
+            per_token, out_dtype or self.dtype,
+        )
+
+    def _weights(self, sources, rhos, q) -> torch.Tensor:
+        with torch.no_grad():
+            s = torch.stack([self.torch_logits(v.float(), r, q.float()) for v, r in zip(sources, rhos)], -1)
+            return normalise_scores(s, self.res.normaliser, dim=-1)
+
+    def read_once(self, l, partial, prev_h):
+        from .ops import inv_rms_op
+
+        visible = self.visible()
+        q = self.query(l, prev_h)
+        sources, rhos = [s.v for s in visible], [s.rho for s in visible]
+        if partial is not None:
+            partial = self.stored(partial)
+            sources.append(partial)
+            rhos.append(inv_rms_op(partial, self.res.eps) if self.res.key_norm else None)
+        out, _ = self._op(sources, rhos, q, per_token=q.dim() == 2)
+        return out[0], (self._weights(sources, rhos, q) if self.want_weights else None)
+
+    def phase_one(self, start: int, stop: int) -> None:
+        before = list(self.completed)
+        o, lse = self._op([s.v for s in before], [s.rho for s in before], self.q_all[start:stop], out_dtype=torch.float32)
+        alpha = None
+        if self.want_weights:
+            alpha = [self._weights([s.v for s in before], [s.rho for s in before], self.q_all[r]) for r in range(start, stop)]
+        self.phase = dict(start=start, n_before=len(before), o=o.unbind(0), lse=lse.unbind(0), alpha=alpha)
+
+    def phase_two(self, l: int, extras: list[_Source]):
+        from .ops import inv_rms_op
+
+        i = l - self.phase["start"]
+        o, lse = self.phase["o"][i], self.phase["lse"][i]
+        weights = self.merge_weights(l, extras) if self.want_weights else None
+        if not extras:
+            return o.to(self.dtype), weights
+        us = [self.stored(src.v) for src in extras]
+        rhos = [src.rho if src.rho is not None or not self.res.key_norm else inv_rms_op(u, self.res.eps) for src, u in zip(extras, us)]
+        out, _ = self._op(us, rhos, self.q_all[l], init=(o.unsqueeze(0), lse.unsqueeze(0)))
+        return out[0], weights

@@ -1,0 +1,382 @@
+"""Triton kernels of one depth read, forward and backward, for any number of readers at once.
+
+Imported lazily (only when the Triton path runs), so that `attnres` imports without Triton and so
+that tests can set TRITON_INTERPRET=1 before the kernels are decorated.
+
+The operation (PAPER.md, "Full AttnRes" and "Two-phase computation"), for readers r = 1..R:
+
+    s_ri = (q_r · v_i) · ρ_i            ρ_i = 1/rms(v_i), shared by every reader (1 without key norm)
+    t_ri = s_ri  (softmax)  or  log σ(s_ri)  (sigmoid, renormalised: σ_i/Σσ_j = softmax_i(log σ_i))
+    out_r = Σ_i softmax_i(t_ri) v_i,   lse_r = log Σ_i exp(t_ri)
+
+q_r is already the key-norm gain times the pseudo-query (RMSNorm(v)·w = (g∘w)·v/rms(v)).
+
+Design decisions:
+- Sources arrive as a table of data pointers, not a stacked tensor: a read never copies its
+  sources, and one launch reads any number of them. Every source is read once per launch, for
+  all R readers (phase 1 of the paper's Algorithm 1 reads the completed blocks once for the S
+  sublayers of a block).
+- Online softmax over sources (Milakov & Gimelshein 2018, as in FlashAttention): the running max
+  m, sum ℓ and unnormalised output travel with the loop, so sources are read in one pass.
+- An optional initial state (o0, lse0) is a pseudo-source whose logit is given: continuing an
+  online softmax from a saved (normalised output, log-sum-exp) pair is exactly the paper's phase-2
+  merge, so one kernel does both phases.
+- Channel groups (heads): a (N, d) source is viewed as (N·H, d/H) rows; row ρ is token ρ // H and
+  head ρ % H. A multi-head read is a single-head read over rows whose query slice depends on the
+  head, with the token's 1/rms shared by its H rows (the key norm spans all d channels).
+- fp32 state and arithmetic whatever the storage type (bf16/fp16/fp32).
+- The backward recomputes scores from the saved sources and the saved lse (no weights stored),
+  reads each source once, accumulates the softmax-backward term Δ in fp32 from the sources
+  (not from the possibly-bf16 stored output), and writes each source's gradient once, summed over
+  the readers. The output itself is not needed for backward.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# tl.sum, tl.zeros and tl.sigmoid are avoided: they are @triton.jit functions of Triton's standard
+# library, created when Triton is first imported, so a process that imported Triton before
+# setting TRITON_INTERPRET=1 (torch does, through dynamo) could not call them from an interpreted
+# kernel. The sum is tl.reduce with the standard library's own combine function (what tl.sum is),
+# which the interpreter recognises and runs as one numpy sum; tl.full and exp are builtins.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+_SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add)
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _SUM_COMBINE)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _log_sigmoid(s):
+    # log σ(s) = min(s, 0) − log(1 + e^{−|s|}): no overflow for either sign.
+    return tl.minimum(s, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(s)))
+
+
+@triton.jit
+def _read_fwd_kernel(
+    src_table, rms_table, src0, q_ptr, o0_ptr, lse0_ptr, out_ptr, lse_ptr,
+    n_src, n_rows, reader_stride, d, H, W,
+    R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
+    KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, W_PAD)
+    readers = tl.arange(0, R_PAD)
+    row_ok = rows < n_rows
+    tile = rows[:, None].to(tl.int64) * W + cols[None, :]  # [T, W] offsets into a (N, d) tensor
+    tile_ok = row_ok[:, None] & (cols < W)[None, :]
+    tokens = rows // H
+    state = readers[:, None, None].to(tl.int64) * reader_stride + tile[None, :, :]  # [R, T, W]
+    state_ok = (readers < R)[:, None, None] & tile_ok[None, :, :]
+    row_state = readers[:, None].to(tl.int64) * n_rows + rows[None, :]  # [R, T]
+    row_state_ok = (readers < R)[:, None] & row_ok[None, :]
+
+    if PER_TOKEN:
+        q = tl.load(q_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)[None, :, :]
+    else:
+        q_off = readers[:, None, None] * d + ((rows % H) * W)[None, :, None] + cols[None, None, :]
+        q = tl.load(q_ptr + q_off, mask=state_ok, other=0.0).to(tl.float32)
+
+    if HAS_INIT:
+        acc = tl.load(o0_ptr + state, mask=state_ok, other=0.0).to(tl.float32)
+        m = tl.load(lse0_ptr + row_state, mask=row_state_ok, other=0.0)
+        ell = tl.full([R_PAD, BLOCK_T], 1.0, tl.float32)
+    else:
+        acc = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
+        m = tl.full([R_PAD, BLOCK_T], float("-inf"), tl.float32)
+        ell = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
+
+    for i in range(n_src):
+        src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
+        v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)  # read once for all readers
+        s = _sum(q * v[None, :, :], 2)
+        if KEY_NORM:
+            rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
+            s = s * tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
+        if SIGMOID:
+            s = _log_sigmoid(s)
+        m_new = tl.maximum(m, s)
+        rescale = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        ell = ell * rescale + p
+        acc = acc * rescale[:, :, None] + p[:, :, None] * v[None, :, :]
+        m = m_new
+
+    out = acc / ell[:, :, None]
+    tl.store(out_ptr + state, out.to(out_ptr.dtype.element_ty), mask=state_ok)
+    tl.store(lse_ptr + row_state, m + tl.log(ell), mask=row_state_ok)
+
+
+@triton.jit
+def _read_bwd_kernel(
+    src_table, rms_table, src0, q_ptr, o0_ptr, lse0_ptr, lse_ptr, gout_ptr, glse_ptr,
+    dsrc_ptr, drms_ptr, dq_ptr, do0_ptr, dlse0_ptr, scratch_ptr,
+    n_src, n_rows, reader_stride, d, H, W,
+    R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
+    KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
+    HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr,
+):
+    # dL/dt_i = α_i (B_i − Δ) with B_i = g·v_i and Δ = Σ_i α_i B_i − g_lse. Δ is accumulated here
+    # in fp32 from the sources rather than taken as g·out from the stored output, which may be
+    # bf16: with a peaked softmax, B_i − Δ cancels and the rounding of out would dominate it.
+    # Pass 1 reads each source once: α_i, B_i, q·v_i go to a small scratch, and
+    # dq = Σ_i c_i (B_i − Δ) v_i (c_i = ρ_i α_i, times σ(−s_i) for sigmoid) is accumulated without
+    # knowing Δ yet, as P = Σ c_i (B_i − m) v_i around the running α-weighted mean m of the B_i
+    # (updated Welford-style, so that P never holds the large cancelling terms Σ c B v and Δ·Σ c v)
+    # and Q = Σ c_i v_i; then dq = P + (m − Δ)·Q. Pass 2 writes each source's gradient from the
+    # scalars, g and q (no read of v).
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, W_PAD)
+    readers = tl.arange(0, R_PAD)
+    row_ok = rows < n_rows
+    tile = rows[:, None].to(tl.int64) * W + cols[None, :]
+    tile_ok = row_ok[:, None] & (cols < W)[None, :]
+    tokens = rows // H
+    state = readers[:, None, None].to(tl.int64) * reader_stride + tile[None, :, :]
+    state_ok = (readers < R)[:, None, None] & tile_ok[None, :, :]
+    row_state = readers[:, None].to(tl.int64) * n_rows + rows[None, :]
+    row_state_ok = (readers < R)[:, None] & row_ok[None, :]
+    # scratch (n, 3, R_PAD, n_rows): α, B, q·v of every source for this program's rows
+    plane = R_PAD * n_rows
+    scr = readers[:, None].to(tl.int64) * n_rows + rows[None, :]
+
+    if PER_TOKEN:
+        q = tl.load(q_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)[None, :, :]
+    else:
+        q_off = readers[:, None, None] * d + ((rows % H) * W)[None, :, None] + cols[None, None, :]
+        q = tl.load(q_ptr + q_off, mask=state_ok, other=0.0).to(tl.float32)
+
+    g = tl.load(gout_ptr + state, mask=state_ok, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row_state, mask=row_state_ok, other=0.0)
+    delta = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
+    if HAS_INIT:
+        o0 = tl.load(o0_ptr + state, mask=state_ok, other=0.0).to(tl.float32)
+        a0 = tl.exp(tl.load(lse0_ptr + row_state, mask=row_state_ok, other=0.0) - lse)
+        b0 = _sum(g * o0, 2)
+        delta += a0 * b0
+
+    acc_p = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
+    acc_q = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
+    mean = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
+    weight = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
+    scr_i = scratch_ptr
+    for i in range(n_src):
+        src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
+        v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        qv = _sum(q * v[None, :, :], 2)
+        if KEY_NORM:
+            rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
+            rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
+        else:
+            rho = tl.full([1, BLOCK_T], 1.0, tl.float32)
+        s = qv * rho
+        if SIGMOID:
+            alpha = tl.exp(_log_sigmoid(s) - lse)
+            c = rho * alpha * _sigmoid(-s)  # d log σ(s)/ds = σ(−s)
+        else:
+            alpha = tl.exp(s - lse)
+            c = rho * alpha
+        b = _sum(g * v[None, :, :], 2)
+        delta += alpha * b
+        weight_new = weight + alpha
+        mean_new = mean + tl.where(weight_new > 0, alpha * (b - mean) / tl.maximum(weight_new, 1e-30), 0.0)
+        acc_p += (c * (b - mean_new))[:, :, None] * v[None, :, :] - (mean_new - mean)[:, :, None] * acc_q
+        acc_q += c[:, :, None] * v[None, :, :]
+        mean, weight = mean_new, weight_new
+        tl.store(scr_i + scr, alpha, mask=row_state_ok)
+        tl.store(scr_i + plane + scr, b, mask=row_state_ok)
+        tl.store(scr_i + 2 * plane + scr, qv, mask=row_state_ok)
+        scr_i += 3 * plane
+    if HAS_GLSE:
+        delta -= tl.load(glse_ptr + row_state, mask=row_state_ok, other=0.0)
+    if HAS_INIT:
+        tl.store(do0_ptr + state, (a0[:, :, None] * g).to(do0_ptr.dtype.element_ty), mask=state_ok)
+        tl.store(dlse0_ptr + row_state, a0 * (b0 - delta), mask=row_state_ok)
+    dq = acc_p + (mean - delta)[:, :, None] * acc_q
+
+    dsrc_i, drms_i, scr_i = dsrc_ptr, drms_ptr, scratch_ptr  # 64-bit pointer steps, no i·N·d product
+    for i in range(n_src):
+        alpha = tl.load(scr_i + scr, mask=row_state_ok, other=0.0)
+        b = tl.load(scr_i + plane + scr, mask=row_state_ok, other=0.0)
+        qv = tl.load(scr_i + 2 * plane + scr, mask=row_state_ok, other=0.0)
+        scr_i += 3 * plane
+        if KEY_NORM:
+            rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
+            rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
+        else:
+            rho = tl.full([1, BLOCK_T], 1.0, tl.float32)
+        ds = alpha * (b - delta)
+        if SIGMOID:
+            ds = ds * _sigmoid(-(qv * rho))
+        # value path α·g plus key path ds·ρ·q, summed over the readers: one write per source.
+        dv = _sum(alpha[:, :, None] * g + (ds * rho)[:, :, None] * q, 0)
+        tl.store(dsrc_i + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=tile_ok)
+        dsrc_i += reader_stride
+        if KEY_NORM:
+            # ∂s/∂ρ = q·v; the rms backward (shared by all readers of the source) runs once, outside.
+            tl.store(drms_i + rows, _sum(ds * qv, 0), mask=row_ok)
+            drms_i += n_rows
+
+    if PER_TOKEN:
+        tl.store(dq_ptr + tile, _sum(dq, 0), mask=tile_ok)
+    elif DQ_ROWS:
+        tl.store(dq_ptr + state, dq, mask=state_ok)  # per row; the wrapper sums rows of each head
+    else:
+        part = pid.to(tl.int64) * R_PAD * W + readers[:, None] * W + cols[None, :]
+        tl.store(dq_ptr + part, _sum(dq, 1), mask=(readers < R)[:, None] & (cols < W)[None, :])
+
+
+@triton.jit
+def _inv_rms_fwd_kernel(x_ptr, out_ptr, n_rows, d, eps, BLOCK_T: tl.constexpr, D_PAD: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D_PAD)
+    ok = (rows < n_rows)[:, None] & (cols < d)[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * d + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, 1.0 / tl.sqrt(_sum(x * x, 1) / d + eps), mask=rows < n_rows)
+
+
+@triton.jit
+def _inv_rms_bwd_kernel(x_ptr, rho_ptr, drho_ptr, dx_ptr, n_rows, d, BLOCK_T: tl.constexpr, D_PAD: tl.constexpr):
+    # ρ = (mean x² + ε)^(−1/2)  ⇒  ∂ρ/∂x_c = −ρ³ x_c / d
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D_PAD)
+    ok = (rows < n_rows)[:, None] & (cols < d)[None, :]
+    offs = rows[:, None].to(tl.int64) * d + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    rho = tl.load(rho_ptr + rows, mask=rows < n_rows, other=0.0)
+    coef = -tl.load(drho_ptr + rows, mask=rows < n_rows, other=0.0) * rho * rho * rho / d
+    tl.store(dx_ptr + offs, (coef[:, None] * x).to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+# --- launchers -----------------------------------------------------------------------------------
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _tiles(r_pad: int, w_pad: int, backward: bool = False) -> tuple[int, int]:
+    """Rows per program and warps: keep one [R, T, W] fp32 tile near 4k elements on a GPU (the
+    forward holds about three such tiles: query, accumulator, product), 2k in backward (query,
+    gradient and two accumulators); under the interpreter, large tiles (fewer programs, each a
+    numpy call sequence) are what makes it fast. Heuristics, not tuned on a GPU yet."""
+    budget, cap = (1 << 16, 1024) if INTERPRET else ((2048 if backward else 4096), 64)
+    t = max(1, min(cap, budget // (r_pad * w_pad)))
+    t = 1 << (t.bit_length() - 1)
+    elems = r_pad * t * w_pad
+    return t, (4 if elems <= 2048 else 8 if elems <= 8192 else 16)
+
+
+def _table(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)
+
+
+def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
+    """sources: n (N, d) contiguous tensors of one dtype; inv_rms: n (N,) fp32 or []; query (R, d)
+    or (N, d) when per_token; init_out (R, N, d), init_lse (R, N, H) fp32 or None.
+    Returns out (R, N, d) in out_dtype and lse (R, N, H) fp32."""
+    ref = sources[0] if sources else init_out
+    N, d = ref.shape[-2], ref.shape[-1]
+    H, W = heads, d // heads
+    R = 1 if per_token else query.shape[0]
+    device = ref.device
+    out = torch.empty(R, N, d, device=device, dtype=out_dtype)
+    lse = torch.empty(R, N, H, device=device, dtype=torch.float32)
+    r_pad, w_pad = _pow2(R), _pow2(W)
+    block_t, warps = _tiles(r_pad, w_pad)
+    n_rows = N * H
+    src_table = _table(sources, device) if sources else torch.zeros(1, dtype=torch.int64, device=device)
+    rms_table = _table(inv_rms, device) if inv_rms else src_table
+    has_init = init_out is not None
+    _read_fwd_kernel[(triton.cdiv(n_rows, block_t),)](
+        src_table, rms_table, ref, query, init_out if has_init else out, init_lse if has_init else lse,
+        out, lse, len(sources), n_rows, N * d, d, H, W,
+        R=R, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=bool(inv_rms), SIGMOID=sigmoid,
+        PER_TOKEN=per_token, HAS_INIT=has_init, num_warps=warps,
+    )
+    return out, lse
+
+
+def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token):
+    """Gradients of read_forward: (d_sources (n, N, d), d_inv_rms (n, N) or None, d_query like
+    query in fp32, d_init_out (R, N, d) fp32 or None, d_init_lse (R, N, H) or None)."""
+    R, N, d = grad_out.shape
+    H, W = heads, d // heads
+    device = grad_out.device
+    n = len(sources)
+    r_pad, w_pad = _pow2(R), _pow2(W)
+    block_t, warps = _tiles(r_pad, w_pad, backward=True)
+    n_rows = N * H
+    grid = triton.cdiv(n_rows, block_t)
+    key_norm = bool(inv_rms)
+    dsrc = torch.empty(n, N, d, device=device, dtype=sources[0].dtype if n else grad_out.dtype)
+    drms = torch.empty(n, n_rows, device=device, dtype=torch.float32) if key_norm else dsrc
+    dq_rows = not per_token and H > 1
+    if per_token:
+        dq = torch.empty(N, d, device=device, dtype=torch.float32)
+    elif dq_rows:
+        dq = torch.empty(R, N, d, device=device, dtype=torch.float32)
+    else:
+        dq = torch.empty(grid, r_pad, W, device=device, dtype=torch.float32)
+    has_init = init_out is not None
+    do0 = torch.empty(R, N, d, device=device, dtype=init_out.dtype) if has_init else grad_out
+    dlse0 = torch.empty(R, N, H, device=device, dtype=torch.float32) if has_init else lse
+    scratch = torch.empty(max(n, 1), 3, r_pad, n_rows, device=device, dtype=torch.float32)
+    src_table = _table(sources, device) if n else torch.zeros(1, dtype=torch.int64, device=device)
+    rms_table = _table(inv_rms, device) if key_norm else src_table
+    _read_bwd_kernel[(grid,)](
+        src_table, rms_table, sources[0] if n else grad_out, query, init_out if has_init else grad_out,
+        init_lse if has_init else lse, lse, grad_out, grad_lse if grad_lse is not None else lse,
+        dsrc, drms, dq, do0, dlse0, scratch, n, n_rows, N * d, d, H, W,
+        R=R, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
+        PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
+        num_warps=warps,
+    )
+    if dq_rows:
+        dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
+    elif not per_token:
+        dq = dq.sum(0)[:R]
+    d_rms = drms.view(n, N, H).sum(-1) if key_norm else None  # the heads of a token share its rms
+    return dsrc, d_rms, dq, (do0 if has_init else None), (dlse0 if has_init else None)
+
+
+def _rms_tiles(d: int) -> tuple[int, int]:
+    d_pad = _pow2(d)
+    budget = (1 << 16) if INTERPRET else 4096
+    t = max(1, budget // d_pad)
+    return 1 << (t.bit_length() - 1), (4 if d_pad * 1 <= 4096 else 8)
+
+
+def inv_rms_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
+    N, d = x.shape
+    out = torch.empty(N, device=x.device, dtype=torch.float32)
+    block_t, warps = _rms_tiles(d)
+    _inv_rms_fwd_kernel[(triton.cdiv(N, block_t),)](x, out, N, d, eps, BLOCK_T=block_t, D_PAD=_pow2(d), num_warps=warps)
+    return out
+
+
+def inv_rms_backward(x: torch.Tensor, rho: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    N, d = x.shape
+    dx = torch.empty_like(x)
+    block_t, warps = _rms_tiles(d)
+    _inv_rms_bwd_kernel[(triton.cdiv(N, block_t),)](x, rho, grad, dx, N, d, BLOCK_T=block_t, D_PAD=_pow2(d), num_warps=warps)
+    return dx

@@ -1,0 +1,224 @@
+"""Model-level benchmark: training-step time and peak memory of every residual variant, as ratios
+to the baseline's, measured in one process on the same model and the same batch.
+
+    python benchmarks/model_bench.py                          # CPU: the default model, layers=16
+    python benchmarks/model_bench.py --variants baseline,block,full,mhc --rounds 30
+    python benchmarks/model_bench.py --preset 194m --compile  # GPU (bf16 autocast on CUDA)
+
+Method (why the figures can be trusted on a shared, noisy machine):
+- every variant is built from the same ModelConfig and seed and steps on the same token batch;
+- rounds alternate the variants (the order rotates each round) and each round's time is divided
+  by the baseline's time in that same round, so slow drift of the machine cancels; the table
+  reports the median of those per-round ratios with its interquartile range, and median times;
+- on CPU both wall-clock and process CPU time are recorded: on a shared machine other processes
+  inflate wall time erratically (and multi-threaded ops spin), CPU time of a one-thread run much
+  less so (`--threads 1`);
+- one training step = forward, loss, backward, AdamW step, zero_grad (set_to_none), like the
+  harness's loop; warm-up steps first (allocator, optimizer state, compilation);
+- peak memory: CUDA: max_memory_allocated over a step above what was allocated before it, plus
+  the model's parameters and optimizer state; CPU (no allocator statistics): the same quantity
+  from the profiler's allocation events (every allocation and free of the step, in order).
+Writes a JSON file (default benchmarks/results/model_bench_<device>.json) beside the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
+from attnres import kernels  # noqa: E402
+
+# Model presets: "default" is the harness's CPU default (conf/model/default.yaml, train batch
+# 16 × 256) with model.layers=16, the size the issue's CPU bars are stated for; "194m" the paper's
+# smallest model as the harness's dense preset (conf/model/194m.yaml), one micro-batch of 4 × 8192.
+PRESETS = {
+    "default": dict(model=dict(d_model=128, layers=16, n_heads=4, d_ff=352, vocab_size=256), batch=16, seq_len=256),
+    "194m": dict(model=dict(d_model=896, layers=12, n_heads=14, d_ff=3584, vocab_size=256), batch=4, seq_len=8192),
+}
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+        info["cpu"] = names[0] if names else info["cpu"]
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def cpu_peak_bytes(fn) -> int:
+    """Peak of live bytes allocated during fn() above the level before it (profiler events)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    level = peak = 0
+    for _, size in sorted(sizes):
+        level += size
+        peak = max(peak, level)
+    return peak
+
+
+def state_bytes(model, opt) -> int:
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    for st in opt.state.values():
+        total += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
+    return total
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; baseline is always added")
+    ap.add_argument("--layers", type=int, help="model.layers (Transformer blocks); default: 16 for 'default'")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each model")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--json", help="output path (default benchmarks/results/model_bench_<device>.json)")
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    preset = PRESETS[args.preset]
+    mcfg = dict(preset["model"])
+    if args.layers:
+        mcfg["layers"] = args.layers
+    batch, seq_len = args.batch or preset["batch"], args.seq_len or preset["seq_len"]
+    cfg = ModelConfig(max_seq_len=seq_len, **mcfg)
+    variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
+    cuda = device.type == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen).to(device)
+    tgt = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen).to(device)
+
+    runs = {}
+    for v in variants:
+        torch.manual_seed(0)
+        model = DecoderLM(cfg, ResidualConfig(name=v)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # a small lr keeps the model stable over rounds
+        fwd = torch.compile(model) if args.compile else model
+
+        def step(model=model, opt=opt, fwd=fwd):
+            with amp:
+                _, loss = fwd(idx, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        runs[v] = dict(model=model, opt=opt, step=step)
+
+    def timed(v) -> tuple[float, float]:
+        if cuda:
+            torch.cuda.synchronize()
+        t, c = time.perf_counter(), time.process_time()
+        runs[v]["step"]()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, time.process_time() - c
+
+    for v in variants:
+        for _ in range(args.warmup):
+            timed(v)
+    times = {v: [] for v in variants}
+    ratios = {v: [] for v in variants}
+    cpu_times = {v: [] for v in variants}
+    cpu_ratios = {v: [] for v in variants}
+    for r in range(args.rounds):
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        got = {v: timed(v) for v in order}
+        for v in variants:
+            times[v].append(got[v][0])
+            ratios[v].append(got[v][0] / got["baseline"][0])
+            cpu_times[v].append(got[v][1])
+            cpu_ratios[v].append(got[v][1] / got["baseline"][1])
+
+    memory = {}
+    if not args.no_memory:
+        for v in variants:
+            run = runs[v]
+            static = state_bytes(run["model"], run["opt"])
+            if cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                run["step"]()
+                torch.cuda.synchronize()
+                memory[v] = static + torch.cuda.max_memory_allocated() - before
+            else:
+                memory[v] = static + cpu_peak_bytes(run["step"])
+
+    def q(xs, p):
+        return statistics.quantiles(xs, n=4)[p] if len(xs) > 1 else xs[0]
+
+    rows = []
+    for v in variants:
+        row = dict(variant=v, step_ms=1000 * statistics.median(times[v]), ratio=statistics.median(ratios[v]),
+                   ratio_q1=q(ratios[v], 0), ratio_q3=q(ratios[v], 2))
+        if not cuda:
+            row.update(cpu_step_ms=1000 * statistics.median(cpu_times[v]), cpu_ratio=statistics.median(cpu_ratios[v]),
+                       cpu_ratio_q1=q(cpu_ratios[v], 0), cpu_ratio_q3=q(cpu_ratios[v], 2))
+        if memory:
+            row.update(peak_mib=memory[v] / 2**20, memory_ratio=memory[v] / memory["baseline"])
+        rows.append(row)
+
+    info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
+                seq_len=seq_len, rounds=args.rounds, warmup=args.warmup, compile=args.compile,
+                autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
+                rows=rows)
+    print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
+          f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "
+          f"{args.rounds} alternating rounds, compile={args.compile}")
+    cpu_cols = f" {'cpu ms':>8s} {'cpu ratio':>9s} {'(IQR)':>15s}" if not cuda else ""
+    print(f"{'variant':18s} {'step ms':>9s} {'time ratio':>10s} {'(IQR)':>15s}{cpu_cols} {'peak MiB':>9s} {'mem ratio':>9s}")
+    for row in rows:
+        mem = f"{row['peak_mib']:9.1f} {row['memory_ratio']:9.3f}" if memory else ""
+        cpu = (f" {row['cpu_step_ms']:8.1f} {row['cpu_ratio']:9.3f}  [{row['cpu_ratio_q1']:.3f}, {row['cpu_ratio_q3']:.3f}]"
+               if not cuda else "")
+        print(f"{row['variant']:18s} {row['step_ms']:9.1f} {row['ratio']:10.3f}  [{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}]{cpu} {mem}")
+    out = Path(args.json) if args.json else Path(__file__).parent / "results" / f"model_bench_{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(info, indent=2, default=str))
+    print(f"wrote {out}")
+    return info
+
+
+if __name__ == "__main__":
+    main()

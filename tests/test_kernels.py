@@ -1,0 +1,314 @@
+"""The fused depth-read kernels and the read schedules against the PyTorch reference (CPU).
+
+The Triton kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set here for
+the test process; the kernels module is imported lazily, on the first kernel call, and avoids
+Triton's standard-library jit functions, so it works even if torch imported Triton first). Shapes
+are small because the interpreter executes every program in numpy. On a GPU,
+benchmarks/gpu_check.py runs the same comparisons on CUDA tensors. Tolerances are the issue's:
+1e-4 for a kernel against the reference in fp32, 1e-5 between schedules, 1e-4 on the loss after
+20 steps.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attnres import DecoderLM, ModelConfig, ResidualConfig, build_residual, depth_read, kernels  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def path():
+    """Select the read path and the Block schedule for one test; restore the defaults after."""
+
+    def select(backend, schedule="two_phase"):
+        kernels.set_backend(backend)
+        kernels.set_schedule(schedule)
+
+    yield select
+    kernels.set_backend(None)
+    kernels.set_schedule(None)
+
+
+def _sources(n, shape, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*shape, generator=g) * (0.5 + 0.5 * i)).to(dtype).requires_grad_() for i in range(n)]
+
+
+# --- one read: the kernel against depth_read ------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("key_norm", [True, False])
+@pytest.mark.parametrize("normaliser", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("heads,d", [(1, 32), (4, 32), (1, 24), (4, 24)])  # 24: masked, non-power-of-2 widths
+def test_kernel_read_and_gradients_match_reference(key_norm, normaliser, per_token, heads, d):
+    shape = (2, 7, d)
+    srcs = _sources(5, shape, seed=heads + d)
+    g = torch.Generator().manual_seed(1)
+    q = (torch.randn(*shape, generator=g) if per_token else torch.randn(d, generator=g)).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(d, generator=g)).requires_grad_()
+    grad_out = torch.randn(shape, generator=g)
+    kw = dict(key_norm=key_norm, normaliser=normaliser, heads=heads, eps=1e-6)
+    inputs = srcs + [q] + ([gain] if key_norm else [])
+
+    want = depth_read(q, srcs, gain, **kw)
+    want_grads = torch.autograd.grad(want, inputs, grad_out)
+    got = kernels.fused_depth_read(q, srcs, gain, **kw)
+    got_grads = torch.autograd.grad(got, inputs, grad_out)
+
+    torch.testing.assert_close(got, want, **TOL)
+    names = [f"source {i}" for i in range(len(srcs))] + ["query", "key-norm gain"]
+    for name, a, b in zip(names, got_grads, want_grads):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"gradient of the {name}: {m}")
+
+
+@needs_triton
+def test_kernel_single_source_and_long_source_list():
+    for n in (1, 13):
+        srcs = _sources(n, (3, 5, 16), seed=n)
+        q = torch.randn(16, generator=torch.Generator().manual_seed(n))
+        torch.testing.assert_close(kernels.fused_depth_read(q, srcs), depth_read(q, srcs), **TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_low_precision_inputs_accumulate_in_fp32(dtype):
+    """bf16/fp16 storage, fp32 arithmetic: the result is the fp32 read of the rounded inputs,
+    rounded once at the end."""
+    srcs = _sources(6, (2, 9, 32), seed=3, dtype=dtype)
+    q = torch.randn(32, generator=torch.Generator().manual_seed(4))
+    got = kernels.fused_depth_read(q, srcs)
+    want = depth_read(q, [s.float() for s in srcs]).to(dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 * torch.finfo(dtype).eps * want.abs().max().item())
+    got.float().sum().backward()
+    assert all(s.grad is not None and s.grad.dtype == dtype for s in srcs)
+
+
+@needs_triton
+@pytest.mark.parametrize("normaliser", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_kernel_multi_reader_phase_one_and_merge_equal_one_read(normaliser, heads):
+    """The two kernels of Algorithm 1 at the op level: R queries read the completed sources in one
+    launch (phase 1), and continuing each state with more sources (phase 2) equals one read of all."""
+    from attnres.kernels.ops import depth_read_op, inv_rms_op
+
+    d, N, R = 16, 11, 3
+    early, late = _sources(4, (N, d), seed=5), _sources(2, (N, d), seed=6)
+    Q = torch.randn(R, d, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    rms = lambda xs: [inv_rms_op(x, 1e-6) for x in xs]  # noqa: E731
+    sig = normaliser == "sigmoid"
+    o, lse = depth_read_op(early, rms(early), Q, None, None, heads, sig, False, torch.float32)
+    outs, wants = [], []
+    for r in range(R):
+        h, _ = depth_read_op(late, rms(late), Q[r : r + 1], o[r : r + 1], lse[r : r + 1], heads, sig, False, torch.float32)
+        outs.append(h[0])
+        wants.append(depth_read(Q[r], early + late, None, normaliser=normaliser, heads=heads))
+        torch.testing.assert_close(o[r], depth_read(Q[r], early, None, normaliser=normaliser, heads=heads), **TOL)
+    torch.testing.assert_close(torch.stack(outs), torch.stack(wants), **TOL)
+    g = torch.randn(R, N, d, generator=torch.Generator().manual_seed(8))
+    inputs = early + late + [Q]
+    for a, b in zip(torch.autograd.grad(torch.stack(outs), inputs, g), torch.autograd.grad(torch.stack(wants), inputs, g)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+# --- the residual module: paths and schedules give the same model ----------------------------------
+
+D, L = 16, 6
+VARIANTS = ["full", "full_sigmoid", "full_no_rmsnorm", "full_input_query", "full_scalar", "sliding_window",
+            "block", "block_multihead", "block_no_rmsnorm"]
+
+
+def _module(variant, num_layers=L, block_size=3, seed=0):
+    res = build_residual(ResidualConfig(name=variant, block_size=block_size, heads=4, window=3), D, num_layers)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in res.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.3 * noise if "norm" in name else noise * (0.3 if "projections" in name else 1.0))
+    return res
+
+
+def _sublayers(n):
+    g = torch.Generator().manual_seed(99)
+    ws = [torch.nn.Parameter(torch.randn(D, D, generator=g) / D**0.5) for _ in range(n)]
+    return [lambda h, w=w: torch.tanh(h @ w) + 0.1 * h for w in ws], ws
+
+
+def _run(res, x, subs, ws):
+    """Output, and gradients of a fixed function of it w.r.t. the embedding, every residual
+    parameter (queries, key-norm gains, projections, logits) and the sublayers' weights."""
+    out = res(x, subs)
+    loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+    params = [p for _, p in sorted(res.named_parameters())]
+    grads = torch.autograd.grad(loss, [x] + params + ws)
+    return out.detach(), grads
+
+
+def _compare(a, b, tol, what):
+    torch.testing.assert_close(a[0], b[0], **tol, msg=lambda m: f"{what}, output: {m}")
+    for i, (ga, gb) in enumerate(zip(a[1], b[1])):
+        torch.testing.assert_close(ga, gb, **tol, msg=lambda m, i=i: f"{what}, gradient {i}: {m}")
+
+
+@pytest.mark.parametrize("S,num_layers", [(1, 6), (2, 6), (4, 6), (4, 10), (3, 8)])  # 6 = 4 + 2, 10 = 4 + 4 + 2, 8 = 3 + 3 + 2
+@pytest.mark.parametrize("variant", ["block", "block_multihead", "block_no_rmsnorm"])
+def test_two_phase_equals_one_read_per_sublayer_torch(path, variant, S, num_layers):
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(S), requires_grad=True)
+    subs, ws = _sublayers(num_layers)
+    res = _module(variant, num_layers, block_size=S)
+    path("torch", "per_read")
+    ref = _run(res, x, subs, ws)
+    path("torch", "two_phase")
+    _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"{variant} S={S} L={num_layers}")
+
+
+@needs_triton
+@pytest.mark.parametrize("S,num_layers", [(1, 4), (2, 4), (4, 6)])
+def test_two_phase_equals_one_read_per_sublayer_triton(path, S, num_layers):
+    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(S), requires_grad=True)
+    subs, ws = _sublayers(num_layers)
+    res = _module("block", num_layers, block_size=S)
+    path("triton", "per_read")
+    ref = _run(res, x, subs, ws)
+    path("triton", "two_phase")
+    _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"triton block S={S} L={num_layers}")
+
+
+@pytest.mark.parametrize("num_layers", [3, 4, 9])  # FULL_CHUNK = 4: a partial chunk, one chunk, a remainder
+@pytest.mark.parametrize("variant", ["full", "full_sigmoid", "full_no_rmsnorm"])
+def test_full_two_phase_equals_one_read_per_sublayer(path, variant, num_layers):
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(num_layers), requires_grad=True)
+    subs, ws = _sublayers(num_layers)
+    res = _module(variant, num_layers)
+    path("torch", "per_read")
+    ref = _run(res, x, subs, ws)
+    path("torch", "two_phase")
+    _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"{variant} L={num_layers}")
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_path_matches_torch_path_for_every_variant(path, variant):
+    """Outputs and gradients (embedding, queries, gains, projections, sublayers) of the whole
+    residual stream, Triton path against the PyTorch path, fp32."""
+    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    subs, ws = _sublayers(L)
+    res = _module(variant)
+    path("torch", "per_read")
+    ref = _run(res, x, subs, ws)
+    path("triton", "two_phase")
+    _compare(_run(res, x, subs, ws), ref, TOL, f"{variant}: Triton vs PyTorch")
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["block", "full"])
+def test_fused_path_with_autocast_style_mixed_types(path, variant):
+    """fp32 embedding, bf16 sublayer outputs (what autocast produces): the kernels store the
+    sources in bf16 and agree with the PyTorch path to bf16 precision."""
+    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0))
+    subs, _ = _sublayers(L)
+    subs = [lambda h, f=f: f(h).to(torch.bfloat16) for f in subs]
+    res = _module(variant)
+    path("torch", "per_read")
+    want = res(x, subs)
+    path("triton", "two_phase")
+    got = res(x, subs)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_torch_path_matches_reference_reads_with_weights(path):
+    """Recording the depth weights never changes the output, on either schedule."""
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0))
+    subs, _ = _sublayers(L)
+    for schedule in ("per_read", "two_phase"):
+        path("torch", schedule)
+        res = _module("block")
+        out, w = res(x, subs, return_weights=True)
+        torch.testing.assert_close(out, res(x, subs), rtol=0, atol=0)
+        torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), rtol=0, atol=1e-5)
+
+
+# --- training: the fused path and the reference path are the same model --------------------------
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["block", "full"])
+def test_twenty_training_steps_reach_the_same_loss(path, variant):
+    cfg = ModelConfig(d_model=16, layers=2, n_heads=2, vocab_size=32, max_seq_len=8)
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for name, backend, schedule in (("reference", "torch", "per_read"), ("fused", "triton", "two_phase")):
+        path(backend, schedule)
+        torch.manual_seed(0)
+        model = DecoderLM(cfg, ResidualConfig(name=variant, block_size=2))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(20):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses[name] = loss.item()
+    assert abs(losses["fused"] - losses["reference"]) <= 1e-4, losses
+
+
+# --- compilation, and a core without Triton ---------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "backend,variant",
+    [("torch", v) for v in ("block", "full", "full_input_query", "sliding_window", "full_scalar", "mhc")]
+    + [pytest.param("triton", v, marks=needs_triton) for v in ("block", "full")],
+)
+def test_paths_trace_with_torch_compile(path, backend, variant):
+    """One graph, no break (fullgraph=True): AOTAutograd traces the PyTorch path's autograd
+    functions and the kernels' custom ops (fake tensors, registered backward). aot_eager keeps
+    the test fast; the numbers must not move."""
+    path(backend, "two_phase")
+    torch._dynamo.reset()
+    res = _module(variant, num_layers=4, block_size=2)
+    subs, ws = _sublayers(4)
+    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    want = _run(res, x, subs, ws)
+    compiled = torch.compile(res, backend="aot_eager", fullgraph=True)
+    _compare(_run(compiled, x, subs, ws), want, dict(rtol=1e-6, atol=1e-6), f"compiled {backend} path, {variant}")
+
+
+def test_core_imports_and_trains_without_triton():
+    code = r"""
+import sys, importlib.abc
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("no triton here")
+sys.meta_path.insert(0, NoTriton())
+import torch, attnres
+from attnres import DecoderLM, ModelConfig, ResidualConfig, kernels
+m = DecoderLM(ModelConfig(d_model=16, layers=2, n_heads=2, max_seq_len=8), ResidualConfig(name="block", block_size=2))
+_, loss = m(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
+loss.backward()
+assert "triton" not in sys.modules
+kernels.set_backend("triton")
+try:
+    m(torch.randint(0, 256, (2, 8)))
+except RuntimeError as e:
+    print("refused:", e)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "ATTNRES_KERNEL"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "Triton" in out.stdout
+
+
+def test_backend_names_are_checked():
+    with pytest.raises(ValueError, match="allowed: auto, triton, torch"):
+        kernels.set_backend("cuda")
+    with pytest.raises(ValueError, match="allowed: two_phase, per_read"):
+        kernels.set_schedule("fast")
