@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import attnres
 import optuna
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -27,21 +28,7 @@ from hydra_plugins.attnres_optuna_sweeper.config import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = [
-    "baseline",
-    "denseformer",
-    "hc",
-    "mhc",
-    "full",
-    "full_input_query",
-    "full_scalar",
-    "full_sigmoid",
-    "full_no_rmsnorm",
-    "sliding_window",
-    "block",
-    "block_multihead",
-    "block_no_rmsnorm",
-]
+VARIANTS = list(attnres.VARIANTS)  # the source of truth for residual names
 
 
 def plan(*arguments, params=None):
