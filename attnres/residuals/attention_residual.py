@@ -149,32 +149,30 @@ class AttentionResidual(Residual):
         partial: Optional[torch.Tensor] = None
         prev_h = embedding
         rows: list[torch.Tensor] = []
-        n_completed = 1
+        visible = self.visibility() if want_weights else None  # once per pass, not per read
         for l, f in enumerate(sublayers):
             h, alpha = reader.read(l, partial, prev_h)
             v = f(h)
             self.observe(h, v)
             prev_h = h
             if want_weights:
-                rows.append(self._row(l, alpha, n_completed, partial is not None, h))
+                rows.append(self._row(alpha, visible[l], h))
             if self.sources == "block":
                 partial = v if partial is None else partial + v
                 if self.block_ends(l):
                     reader.add(partial)
-                    n_completed += 1
                     partial = None
             else:
                 reader.add(v)
-                n_completed += 1
         out, alpha = reader.read(self.num_layers, None, prev_h)
         if want_weights:
-            rows.append(self._row(self.num_layers, alpha, n_completed, False, out))
+            rows.append(self._row(alpha, visible[self.num_layers], out))
         return out, (torch.stack(rows) if want_weights else None)
 
-    def _row(self, l, alpha, n_completed, has_partial, like) -> torch.Tensor:
+    def _row(self, alpha, visible_columns: torch.Tensor, like) -> torch.Tensor:
         """Scatter one read's weights (mean over heads) into the (B, T, columns) layout."""
         row = like.new_zeros(*like.shape[:-1], self.num_columns)
-        vis = self.visibility()[l].nonzero().flatten().tolist()
+        vis = visible_columns.nonzero().flatten().tolist()
         row[..., vis] = alpha.mean(-2).expand(*like.shape[:-1], -1).to(row.dtype)
         return row
 
