@@ -6,6 +6,7 @@
     python run.py -m residual=block,full,mhc model.layers=16  # a multirun: one child run each
     python run.py -m +sweep=ablation                        # a ready sweep (sweeps/*.yaml)
     python run.py --cfg job                                 # the composed config, nothing run
+    torchrun --standalone --nproc_per_node=8 run.py model=194m train=gpu  # data-parallel (docs/DISTRIBUTED.md)
 
 Returns the final validation loss (for sweepers). Everything else lives in harness/
 (docs/HARNESS.md): config (schemas, validation), job (one run), train (the loop), tracking
@@ -22,9 +23,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import hydra
 from omegaconf import DictConfig
 
+from harness import composition_errors
 from harness.config import register
 
 register()
+# A misspelt key, a wrong type, an unknown option: one line and exit 2, not Hydra's report (exit 1).
+composition_errors.install()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -35,4 +39,10 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from harness.launch import torchrun_overrides
+
+    # Under torchrun: all ranks in one output folder, rank 0 its only writer; -m refused (harness/launch.py).
+    sys.argv += torchrun_overrides(sys.argv)
     main()

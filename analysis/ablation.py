@@ -112,6 +112,29 @@ def ablation_table(runs: pd.DataFrame, paper_loss: dict[str, float] | None = Non
     return AblationResult(table=table, tau=tau, p_value=p, n_common=len(common))
 
 
+def pooled_seed_sd(runs: pd.DataFrame, metric: str = "final_val_loss") -> tuple[float, int]:
+    """(σ, degrees of freedom): the seed-to-seed standard deviation pooled over every variant with
+    two or more seeds, i.e. the noise floor one more seed of any variant would have."""
+    ss, dof = 0.0, 0
+    for _, g in runs.groupby("variant"):
+        v = g[metric].to_numpy(float)
+        v = v[np.isfinite(v)]
+        if len(v) >= 2:
+            ss += float(((v - v.mean()) ** 2).sum())
+            dof += len(v) - 1
+    return (float(np.sqrt(ss / dof)), dof) if dof else (np.nan, 0)
+
+
+def seeds_needed(sigma: float, delta: float, level: float = LEVEL, power: float = 0.8) -> float:
+    """Seeds per variant for a two-sided two-sample test at ``level`` to detect a true difference
+    ``delta`` with probability ``power`` when seeds scatter with ``sigma`` (normal approximation,
+    n = 2·((z_{1−α/2} + z_power)·σ/Δ)², rounded up, at least 2)."""
+    if not (np.isfinite(sigma) and np.isfinite(delta)) or delta == 0:
+        return np.nan
+    z = stats.norm.ppf((1 + level) / 2) + stats.norm.ppf(power)
+    return float(max(2, np.ceil(2 * (z * sigma / delta) ** 2)))
+
+
 def block_size_of(runs: pd.DataFrame) -> pd.Series:
     """Block size S (sublayers per block) of each run: ``residual.block_size`` when logged, else
     2·layers / num_blocks; Full AttnRes is S = 1 (paper §3: S = 1 recovers Full)."""

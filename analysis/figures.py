@@ -264,6 +264,29 @@ def dynamics(profiles: dict[str, dict[str, np.ndarray]], out) -> list[Path]:
 
 
 # --------------------------------------------------------------------------------------------
+# Multi-hop probe: accuracy per hop count (no paper counterpart: its reasoning claims are downstream)
+# --------------------------------------------------------------------------------------------
+def multihop(table: pd.DataFrame, hops: list[int], out) -> list[Path]:
+    """``table``: one row per variant with columns ``hop k`` and ``hop k ±`` (mean, half-width)."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for row in table.itertuples(index=False):
+        r = dict(zip(table.columns, row))
+        y = [r[f"hop {k}"] for k in hops]
+        err = [0 if not np.isfinite(r[f"hop {k} ±"]) else r[f"hop {k} ±"] for k in hops]
+        ax.errorbar(hops, y, yerr=err, marker="o", capsize=3, color=color(r["variant"]),
+                    label=r["variant"])
+    ax.axhline(0.1, color="0.5", ls=":", lw=1, label="chance (1 of 10 digits)")
+    ax.set_xticks(hops)
+    ax.set_xlabel("hops to the answer")
+    ax.set_ylabel("accuracy (held out)")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=7)
+    ax.set_title("Ours: multi-hop probe (mean ± 95% t-interval over seeds)")
+    fig.tight_layout()
+    return save(fig, out, "multihop_probe")
+
+
+# --------------------------------------------------------------------------------------------
 # Fig. 8: depth-weight heat maps
 # --------------------------------------------------------------------------------------------
 def depth_weights(payloads: dict[str, dict], out) -> list[Path]:

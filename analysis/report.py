@@ -2,7 +2,8 @@
 
 Which runs feed which section is decided by the sweep name (``sweep.name``, one MLflow experiment
 per sweep), the names of the harness's ready sweeps: ``ablation`` (Table 4), ``block_size``
-(Fig. 6), ``scaling`` (Fig. 4) and ``arch`` (Fig. 7). A sweep whose name starts with one of these
+(Fig. 6), ``scaling`` (Fig. 4), ``arch`` (Fig. 7) and ``multihop`` (the multi-hop probe). A
+sweep whose name starts with one of these
 (``scaling_gpu``) goes to that section; ``--role SWEEP=SECTION`` assigns any other. Runs of no
 known sweep (ad-hoc runs, ``python run.py -m residual=...``) still get an ablation-style table
 when there is no ablation sweep, restricted to the model configuration with the most runs so the
@@ -30,7 +31,7 @@ from . import sections as sec
 from .paper import load_paper
 from .runs import RunSet
 
-ROLES = ("ablation", "block_size", "scaling", "arch")
+ROLES = ("ablation", "block_size", "scaling", "arch", "multihop")
 
 
 @dataclass
@@ -143,6 +144,7 @@ def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path
             at=opts.multiplier_at, level=opts.level)),
         ("Architecture (paper Fig. 7)", lambda: sec.arch_section(fin[fin["section"] == "arch"],
                                                                  paper, out)),
+        ("Multi-hop probe", lambda: sec.multihop_section(fin[fin["section"] == "multihop"], out)),
         ("Training dynamics (paper Fig. 5)", lambda: sec.dynamics_section(
             dyn_runs, runset.instrumentation, out)),
         ("Depth weights (paper Fig. 8)", lambda: sec.depth_section(

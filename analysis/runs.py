@@ -79,6 +79,9 @@ TEXT_COLUMNS = ["run_id", "experiment", "sweep", "variant", "model", "status", "
                 "parent_run_id", "run_name", "data", "data_fingerprint"]
 DEPTH_PREFIXES = {"depth/output_rms/block_": "output_rms_block_",
                   "depth/grad_norm/block_": "grad_norm_block_"}
+# Multi-hop probe accuracy per hop count k (latest evaluation = the end of training).
+PROBE_PREFIX = ("probe/acc_hop_", "probe_acc_hop_")
+TAIL_PREFIXES = (*DEPTH_PREFIXES.values(), PROBE_PREFIX[1])
 
 
 class AnalysisInputError(Exception):
@@ -164,7 +167,7 @@ def _row(run, exp_name: str) -> dict:
     row["status"] = run.data.tags.get("attnres.status") or run.info.status
     row["start_time"] = run.info.start_time
     for metric, value in run.data.metrics.items():
-        for prefix, col in DEPTH_PREFIXES.items():
+        for prefix, col in (*DEPTH_PREFIXES.items(), PROBE_PREFIX):
             if metric.startswith(prefix):
                 row[col + metric[len(prefix):]] = value
     return row
@@ -190,7 +193,7 @@ def _tidy(rows: list[dict]) -> pd.DataFrame:
     df["heads_per_layer"] = df["n_heads"] / df["layers"]
     lead = ["run_id", "experiment", "sweep", "variant", "model", "seed", "status", "failure",
             "final_val_loss", "best_val_loss", "tokens", "flops", "compute_pfd"]
-    depth = sorted(c for c in df.columns if c.startswith(tuple(DEPTH_PREFIXES.values())))
+    depth = sorted(c for c in df.columns if c.startswith(TAIL_PREFIXES))
     rest = [c for c in df.columns if c not in lead and c not in depth]
     df = df[lead + rest + depth]
     return df.sort_values(["experiment", "variant", "model", "seed", "run_id"],

@@ -3,6 +3,7 @@ to the baseline's, measured in one process on the same model and the same batch.
 
     python benchmarks/model_bench.py                          # CPU: the default model, layers=16
     python benchmarks/model_bench.py --variants baseline,block,full,mhc --rounds 30
+    python benchmarks/model_bench.py --preset d128 --threads 1  # the wider CPU shape (d_model 128)
     python benchmarks/model_bench.py --preset 194m --compile  # GPU (bf16 autocast on CUDA)
 
 Method (why the figures can be trusted on a shared, noisy machine):
@@ -38,11 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
 from attnres import kernels  # noqa: E402
 
-# Model presets: "default" is the harness's CPU default (conf/model/default.yaml, train batch
-# 16 × 256) with model.layers=16, the size the CPU bars are stated for; "194m" the paper's
-# smallest model as the harness's dense preset (conf/model/194m.yaml), one micro-batch of 4 × 8192.
+# Model presets: "default" is the harness's CPU default (conf/model/default.yaml: d_model 64,
+# 2 heads, d_ff 192; conf/train/default.yaml: batch 16 × 128, byte vocabulary) with
+# model.layers=16, the shape the CPU bars are stated for; "d128" the wider CPU shape the
+# first measurements used (d_model 128, 4 heads, batch 16 × 256); "194m" the paper's smallest model
+# as the harness's dense preset (conf/model/194m.yaml), one micro-batch of 4 × 8192.
 PRESETS = {
-    "default": dict(model=dict(d_model=128, layers=16, n_heads=4, d_ff=352, vocab_size=256), batch=16, seq_len=256),
+    "default": dict(model=dict(d_model=64, layers=16, n_heads=2, d_ff=192, vocab_size=256), batch=16, seq_len=128),
+    "d128": dict(model=dict(d_model=128, layers=16, n_heads=4, d_ff=352, vocab_size=256), batch=16, seq_len=256),
     "194m": dict(model=dict(d_model=896, layers=12, n_heads=14, d_ff=3584, vocab_size=256), batch=4, seq_len=8192),
 }
 

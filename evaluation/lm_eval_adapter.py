@@ -1,14 +1,17 @@
 """The lm-evaluation-harness model `attnres`: any checkpoint or MLflow run as an lm-eval LM.
 
-    python -m evaluation.lm_eval_cli --model attnres --model_args pretrained=<path or run id> --tasks hellaswag
+    lm_eval --model attnres --model_args pretrained=<path or run id> --tasks hellaswag
     lm_eval.simple_evaluate(model=AttnResLM(pretrained=...), tasks=[...])     # in Python
 
 Importing this module registers the name `attnres` in lm-eval's model registry. lm-eval 0.4.13
-discovers models only by import (its registry has no plugin entry points), so the stock `lm_eval`
-command does not see it: `python -m evaluation.lm_eval_cli` is that command with this module
-imported first (docs/EVALUATION.md).
+discovers models only by import (its registry has no plugin entry points). For the stock `lm_eval`
+command, the installed start-up hook (attnres_lm_eval_hook.py) registers this class lazily, by
+name, from the project's `lm_eval.models` entry point (docs/EVALUATION.md).
 
 Design decisions:
+- lm-eval's own models (hf, vllm, ...) are registered before `attnres`. lm-eval's `get_model`
+  imports `lm_eval.models` only when its registry is empty. If this module registered first,
+  the registry would hold `attnres` alone and `--model hf` would be unknown.
 - Built on lm-eval's TemplateLM, which owns request tokenisation (trailing spaces of a context
   move to the continuation, an empty context is conditioned on `prefix_token_id`), so this class
   only scores token sequences and generates.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import warnings
 from typing import Optional, Union
 
+import lm_eval.models  # noqa: F401  (see below)
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM

@@ -4,11 +4,12 @@
         --tasks hellaswag,lambada_openai,wikitext [any other lm_eval option]
 
 lm-eval 0.4.13 finds models only through its registry, filled by importing the module that
-defines them; the stock `lm_eval` entry point never imports this project. This wrapper imports
-the adapter and then hands the unchanged arguments to lm-eval's CLI, so every lm_eval option and
-output is exactly lm_eval's. (A console script `attnres-lm-eval` pointing at `main` gives the same
-command a shorter name.) Results are not logged to MLflow here: `python -m evaluation RUN --tasks …`
-does that.
+defines them. An installed project makes the stock `lm_eval` command find `attnres` through its
+start-up hook (attnres_lm_eval_hook.py). This wrapper does not depend on that hook, so it also
+works from a checkout that is not installed (PYTHONPATH=.). It imports the adapter and then hands
+the unchanged arguments to lm-eval's CLI, so every lm_eval option and output is exactly lm_eval's.
+(A console script `attnres-lm-eval` pointing at `main` gives the same command a shorter name.)
+Results are not logged to MLflow here: `python -m evaluation RUN --tasks …` does that.
 """
 from __future__ import annotations
 

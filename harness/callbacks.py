@@ -4,7 +4,9 @@
 1. **Every job's config is composed and validated** (Hydra's basic sweeper: the product of the
    comma lists; the same composition Hydra does next). A bad value in any job stops the whole
    multirun with one line and exit code 2 before anything is written — no parent run, no
-   checkpoint folder. The data of each distinct data setting is loaded once too (cached).
+   checkpoint folder. The data of each distinct data setting is loaded once too (cached). A
+   sweeper that composes its own jobs checks them through its `check_jobs(config)` hook instead
+   (the Optuna sweeper: every study's cell), so a refused sweep leaves no MLflow store either.
 2. **The tracking store is created once**, under the inter-process lock (ECOSYSTEM.md: parallel
    jobs migrating a fresh SQLite database corrupt it), with the experiment and its
    model-training tag.
@@ -52,20 +54,61 @@ def _sweep_arguments(config: DictConfig) -> list[str]:
     return [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
 
 
+# Keys that say how to rerun a sweep, not what it is: `train.retry_failed=true` added to a
+# multirun's command retrains its failed jobs under the same parent run, which then ends FINISHED
+# once they all have.
+RERUN_KEYS = ("train.retry_failed",)
+
+
+def _sweep_key(arguments: list[str], base: DictConfig) -> str:
+    """The parent run's identity: the sweep arguments and the base config, minus RERUN_KEYS."""
+    kept = [a for a in arguments if a.lstrip("+~").split("=", 1)[0] not in RERUN_KEYS]
+    tree = OmegaConf.to_container(base, resolve=False)
+    for key in RERUN_KEYS:
+        section, name = key.split(".", 1)
+        tree.get(section, {}).pop(name, None)
+    return hashlib.sha256(json.dumps([sorted(kept), tree], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def _is_basic_sweeper(config: DictConfig) -> bool:
     return str(OmegaConf.select(config, "hydra.sweeper._target_") or "").endswith("BasicSweeper")
 
 
-def _sweeper_manages_runs(config: DictConfig) -> bool:
+def _sweeper_class(config: DictConfig) -> type | None:
+    """The class of a sweeper other than Hydra's basic one, if it imports."""
     target = str(OmegaConf.select(config, "hydra.sweeper._target_") or "")
     if not target or _is_basic_sweeper(config):
-        return False
+        return None
     from hydra.utils import get_class
 
     try:
-        return bool(getattr(get_class(target), "manages_mlflow_runs", False))
+        return get_class(target)
     except Exception:  # an unimportable sweeper fails on its own, with its own message
-        return False
+        return None
+
+
+def _sweeper_manages_runs(config: DictConfig) -> bool:
+    return bool(getattr(_sweeper_class(config), "manages_mlflow_runs", False))
+
+
+def check_sweeper_jobs(config: DictConfig) -> None:
+    """A sweeper that composes its own jobs (Optuna: a study per grid cell) checks them here, before
+    the MLflow store exists (Hydra sets a sweeper up only after this callback): a bad option or a
+    job that does not compose is one line and exit 2, nothing left behind. Its own one-line
+    errors (Hydra's CompactHydraException) count as bad input; anything else is left to the sweep."""
+    from hydra.errors import CompactHydraException
+
+    from harness.composition_errors import exit_if_composition_error
+
+    check = getattr(_sweeper_class(config), "check_jobs", None)
+    if check is None:
+        return
+    try:
+        check(config)
+    except CompactHydraException as error:
+        exit_if_composition_error(error)
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def job_configs(config: DictConfig) -> list[tuple[list[str], DictConfig]]:
@@ -82,9 +125,14 @@ def job_configs(config: DictConfig) -> list[tuple[list[str], DictConfig]]:
 
 def validate_jobs(config: DictConfig) -> int:
     """Validate every job (config and data); on the first bad one print one line and exit 2."""
+    from harness.composition_errors import exit_if_composition_error
     from harness.data import DataError, load_data
 
-    jobs = job_configs(config)
+    try:
+        jobs = job_configs(config)
+    except Exception as error:  # a sweep value Hydra cannot compose (residual=blok,block)
+        exit_if_composition_error(error)
+        raise
     seen_data = set()
     for i, (overrides, job_cfg) in enumerate(jobs):
         where = f"job {i} ({' '.join(overrides) or 'no overrides'})"
@@ -108,7 +156,11 @@ class MLflowMultirunCallback(Callback):
         self._atexit = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        n_jobs = validate_jobs(config) if _is_basic_sweeper(config) else None
+        n_jobs = None
+        if _is_basic_sweeper(config):
+            n_jobs = validate_jobs(config)
+        else:
+            check_sweeper_jobs(config)
         base = _without_hydra(config)
         if not base.tracking.enabled or rank() != 0:
             return
@@ -125,9 +177,7 @@ class MLflowMultirunCallback(Callback):
         if base.tracking.parent_run_id or _sweeper_manages_runs(config):
             return
         arguments = _sweep_arguments(config)
-        key = hashlib.sha256(json.dumps(
-            [sorted(arguments), OmegaConf.to_container(base, resolve=False)], sort_keys=True, default=str
-        ).encode()).hexdigest()[:16]
+        key = _sweep_key(arguments, base)
         self.parent_id = self._reuse(exp_id, key) if base.train.resume else None
         if self.parent_id is None:
             self.parent_id = self._create(exp_id, key, base, arguments, n_jobs)

@@ -18,6 +18,11 @@ Design decisions:
   same checkpoint; the second stops with one line. The lock dies with its process (kill -9 too).
 - Nothing is created before the config and the data have been checked (the job calls `open`
   only after validation), so a bad command leaves no folder behind.
+- **One writer under torchrun**: rank 0 holds the lock and writes; every other rank gets a
+  read-only view of the same folder (it reads the checkpoint to resume, its writes are no-ops),
+  so "only rank 0 writes" holds wherever the job or the loop would write. How many processes
+  train (train.distributed, WORLD_SIZE) is not part of the identity: a run started on 8 GPUs
+  resumes on 4, or on one.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from harness.resolvers import PROJECT_ROOT
 # Keys that do not change what the run computes (prefixes of flattened keys).
 NOT_IDENTITY = (
     "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
-    "train.log_interval", "train.threads",
+    "train.log_interval", "train.threads", "train.distributed", "train.retry_failed",
 )
 CHECKPOINT = "last.pt"
 RECORD = "run.json"
@@ -90,13 +95,16 @@ def atomic_write(path: Path, write) -> None:
 
 
 class RunFolder:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, read_only: bool = False):
         self.path = path
+        self.read_only = read_only  # a torchrun rank other than 0: reads, never writes
         self._lock_handle = None
 
     # -- lifetime -------------------------------------------------------------------------------
     def acquire(self, fresh: bool) -> RunFolder:
         """Create (or, with fresh=True, empty) the folder and take its lock. Raises RunBusy."""
+        if self.read_only:
+            raise RuntimeError(f"{self.path}: a read-only view (rank != 0) cannot take the run's lock")
         self.path.mkdir(parents=True, exist_ok=True)
         handle = open(self.path / ".lock", "a+")
         try:
@@ -134,11 +142,15 @@ class RunFolder:
 
     def write_record(self, **fields: Any) -> dict[str, Any]:
         record = dict(self.record() or {}, **fields, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        if self.read_only:
+            return record
         atomic_write(self.path / RECORD, lambda tmp: tmp.write_text(json.dumps(record, indent=1, default=str)))
         return record
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, state: dict[str, Any]) -> None:
+        if self.read_only:
+            return
         atomic_write(self.path / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
     def load(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:

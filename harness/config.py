@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig
+from harness.composition_errors import unknown_key
 from harness.data import DataConfig
 
 
@@ -53,6 +54,13 @@ class ScheduleName(Enum):
     cosine = "cosine"
     wsd = "wsd"  # warmup-stable-decay
     constant = "constant"  # warmup then flat (for debugging and LR range tests)
+
+
+class ParallelMode(Enum):
+    """How the processes of a torchrun launch share the work (docs/DISTRIBUTED.md)."""
+
+    ddp = "ddp"  # every process holds the whole model; gradients are averaged (DistributedDataParallel)
+    fsdp = "fsdp"  # parameters, gradients and optimizer state sharded over the processes (FSDP2)
 
 
 class DecayShape(Enum):
@@ -79,6 +87,7 @@ class TrainConfig:
     compile: bool | None = None  # null = on for CUDA, off on CPU (where it does not pay)
     device: str = "auto"  # auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps
     threads: int | None = None  # CPU intra-op threads; null = torch's default
+    distributed: ParallelMode | None = None  # under torchrun; null = ddp when WORLD_SIZE > 1
     seed: int = 0  # model init and data order
     # --- periodic work (steps; 0 = only at the end) ---
     log_interval: int = 10  # train/* metrics: means over the interval
@@ -90,6 +99,7 @@ class TrainConfig:
     # --- files ---
     checkpoint_dir: str | None = None  # null = <project root>/checkpoints
     resume: bool = True  # rerunning the same config resumes it (a finished run is not redone)
+    retry_failed: bool = False  # rerunning a failed config resumes it from its last good checkpoint
     progress: bool = True  # tqdm bar with loss and tokens/s
 
 
@@ -192,6 +202,11 @@ class RunSpec:
     steps: int
     tokens_per_step: int
     counts: dict[str, float]  # count.* params: parameters, FLOPs per token, budget
+    # Data parallelism (harness/distributed.py). micro_batch_size and accum_steps above are this
+    # process's; the data stream is cut in batches of data_micro_batch_size whatever the world size.
+    parallel: ParallelMode | None = None  # None: one process
+    world_size: int = 1
+    data_micro_batch_size: int = 0  # the single-process micro-batch (train.micro_batch_size or batch_size)
 
     @property
     def tokens(self) -> int:
@@ -223,6 +238,7 @@ def resolve_device(name: str) -> torch.device:
 
 def to_objects(cfg: DictConfig) -> RunConfig:
     """The composed config as dataclass objects, each __post_init__ run (one line on error)."""
+    _reject_added_keys(cfg)
     try:
         obj = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, ValueError, TypeError) as error:
@@ -230,6 +246,25 @@ def to_objects(cfg: DictConfig) -> RunConfig:
     if not isinstance(obj, RunConfig):  # composed without run_schema (a hand-made config)
         _fail(f"the config is not a RunConfig (got {type(obj).__name__}); compose conf/config.yaml")
     return obj
+
+
+def _reject_added_keys(node: DictConfig, path: str = "") -> None:
+    """`+model.layerz=3` adds a key the schema does not have (a misspelt key with `+`): Hydra
+    accepts it, OmegaConf.to_object keeps it as a stray attribute, and the run would silently
+    ignore it. Refuse it with the line a misspelt key without `+` gets."""
+    schema = OmegaConf.get_type(node)
+    if is_dataclass(schema):
+        known = [f.name for f in fields(schema)]
+        for key in node.keys():
+            if key in known or (not path and key == "hydra"):  # a root composed with Hydra's node
+                continue
+            value = node._get_node(key)
+            shown = OmegaConf.to_container(value, resolve=False) if isinstance(value, DictConfig) else value._value()
+            _fail(unknown_key(f"{path}{key}", shown, known))
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not (child._is_none() or child._is_missing() or child._is_interpolation()):
+            _reject_added_keys(child, f"{path}{key}.")
 
 
 def _positive(section: str, obj: Any, *keys: str, allow_zero: bool = False) -> None:
@@ -277,6 +312,10 @@ def validate(cfg: DictConfig) -> RunSpec:
               "the presets set it to ${data.vocab_size}")
 
     device = resolve_device(t.device)
+    parallel, world = _parallel_mode(t, o, device)
+    if parallel is not None and device.type == "cuda":
+        device = _rank_device(t.device)
+    rank_micro, accum = _rank_batch(t.batch_size, micro, world)
     precision = t.precision
     if precision is Precision.auto:
         precision = Precision.bf16 if device.type == "cuda" else Precision.fp32
@@ -300,9 +339,66 @@ def validate(cfg: DictConfig) -> RunSpec:
     counts["count.train_flops"] = steps * tokens_per_step * counts["count.flops_per_token"]
     return RunSpec(
         cfg=run, device=device, autocast_dtype=torch.bfloat16 if precision is Precision.bf16 else None,
-        compile=compile_, micro_batch_size=micro, accum_steps=t.batch_size // micro, steps=steps,
-        tokens_per_step=tokens_per_step, counts=counts,
+        compile=compile_, micro_batch_size=rank_micro, accum_steps=accum, steps=steps,
+        tokens_per_step=tokens_per_step, counts=counts, parallel=parallel, world_size=world,
+        data_micro_batch_size=micro,
     )
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _parallel_mode(t: TrainConfig, o: OptimConfig, device: torch.device) -> tuple[ParallelMode | None, int]:
+    """(mode, world size). One process unless torchrun (or a launcher setting its variables) says
+    otherwise; train.distributed picks DDP or FSDP2, and with WORLD_SIZE=1 forces the distributed
+    code path on one process (a one-GPU check of a multi-GPU setup)."""
+    world = world_size()
+    mode = t.distributed if t.distributed is not None else (ParallelMode.ddp if world > 1 else None)
+    if mode is None:
+        return None, 1
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        _fail(f"train.distributed={mode.value}: the environment lacks {', '.join(missing)}; launch with "
+              "`torchrun --nproc_per_node=N run.py ...` (docs/DISTRIBUTED.md); allowed without torchrun: null")
+    if device.type == "mps":
+        _fail(f"train.distributed={mode.value} with train.device={t.device!r}: MPS has no process-group "
+              "backend; allowed: cpu (gloo), cuda (nccl)")
+    if mode is ParallelMode.fsdp and o.name is OptimName.muon:
+        _fail("train.distributed=fsdp with optim.name=muon: Muon orthogonalises whole matrices, which FSDP "
+              "shards over the processes; allowed: optim=adamw, or train.distributed=ddp")
+    return mode, world
+
+
+def _rank_device(name: str) -> torch.device:
+    """Each process of a node drives the GPU of its LOCAL_RANK (torchrun's convention)."""
+    local, count = local_rank(), torch.cuda.device_count()
+    if name not in ("auto", "cuda"):
+        _fail(f"train.device={name!r} under torchrun: each process takes cuda:LOCAL_RANK; allowed: auto, cuda, cpu "
+              "(choose GPUs with CUDA_VISIBLE_DEVICES)")
+    if local >= count:
+        _fail(f"LOCAL_RANK={local} but this machine has {count} visible CUDA device(s); allowed: "
+              f"--nproc_per_node <= {count}")
+    return torch.device("cuda", local)
+
+
+def _rank_batch(batch_size: int, micro: int, world: int) -> tuple[int, int]:
+    """(this process's micro-batch, its accumulation steps). The global batch stays batch_size
+    whatever the world size: each process takes batch_size / world sequences per optimizer step,
+    in micro-batches no larger than train.micro_batch_size. With one process: (micro, batch/micro)."""
+    if batch_size % world:
+        _fail(f"train.batch_size={batch_size} does not divide over WORLD_SIZE={world} processes (the global batch "
+              f"is fixed; each process takes batch_size/WORLD_SIZE sequences); allowed: a batch_size that is a "
+              f"multiple of {world}, or a process count among {', '.join(map(str, _divisors(batch_size)))}")
+    per_rank = batch_size // world
+    rank_micro = min(micro, per_rank)
+    if per_rank % rank_micro:
+        _fail(f"train.micro_batch_size={micro} must divide the per-process batch train.batch_size/WORLD_SIZE = "
+              f"{batch_size}/{world} = {per_rank}; allowed: {', '.join(map(str, _divisors(per_rank)))}")
+    return rank_micro, per_rank // rank_micro
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def model_counts(run: RunConfig) -> dict[str, float]:
@@ -353,3 +449,13 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def rank() -> int:
     """This process's rank under torchrun (0 when not distributed): only rank 0 logs and saves."""
     return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """Processes of the torchrun launch (1 when not distributed)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    """This process's index on its node under torchrun: its GPU."""
+    return int(os.environ.get("LOCAL_RANK", "0"))

@@ -6,7 +6,8 @@ Order of work, and why:
    run, checkpoint folder or file exists.
 2. Take the run's folder (identity = the effective config) and its lock. A finished run is not
    trained again: its recorded result is returned. An interrupted one is resumed from its last
-   checkpoint into the same MLflow run.
+   checkpoint into the same MLflow run. A failed one is reported failed again without training,
+   unless train.retry_failed=true (then it resumes from its last good checkpoint).
 3. Open the MLflow run (new, child of the multirun's parent or of the Optuna study's, or the
    resumed one), log params, tags and provenance; record its id in the folder before training.
 4. Train. The outcome decides the run's end: FINISHED; FAILED with attnres.failure and
@@ -17,6 +18,10 @@ Order of work, and why:
    checkpoints, the run ends KILLED, and the process exits with REQUEUE_EXIT, so that a launcher
    (or a SLURM batch script) requeues the same command, which resumes into the same MLflow run
    (docs/RELIABILITY.md).
+6. Under torchrun (harness/distributed.py, docs/DISTRIBUTED.md) every rank validates and loads
+   the data, then joins the process group; rank 0 alone takes the folder's lock, writes it and
+   logs to MLflow, and its outcome (refused, finished, the resume step) is every rank's, so all
+   ranks leave together. destroy_process_group runs whatever happens.
 """
 from __future__ import annotations
 
@@ -33,9 +38,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import instrument, provenance
+from harness import distributed, instrument, provenance
 from harness.checkpoint import RunBusy, RunFolder, run_folder, run_key
-from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate
+from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
 from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_tracking_uri, replay_folder
 from harness.train import NonFiniteLoss, StopRequested, Trainer, pruning
@@ -71,16 +76,20 @@ def _bad_input(error: Exception, multirun: bool, output_dir: str | None) -> floa
 def _remove_empty_output_dir(output_dir: str | None) -> None:
     """Hydra makes the run's output folder (its .hydra/ config copy and the job log) before the job
     starts; a run refused at the door leaves nothing, so that folder goes too — but only when it
-    holds nothing else (hydra.run.dir may point at a folder of the user's)."""
-    if not output_dir:
+    holds nothing else (hydra.run.dir may point at a folder of the user's). Not under torchrun:
+    the ranks start at different moments, and the folder shared by all would vanish under a rank
+    whose Hydra is still setting up its log file there."""
+    if not output_dir or world_size() > 1:
         return
     folder = Path(output_dir)
     try:
         names = {p.name for p in folder.iterdir()}
     except OSError:
         return
-    if names and names <= {".hydra", "run.log", f"{Path(sys.argv[0]).stem}.log"}:
-        shutil.rmtree(folder, ignore_errors=True)
+    stem = Path(sys.argv[0]).stem
+    ours = {".hydra", "run.log", f"{stem}.log"}
+    if names and all(n in ours or (n.startswith(f"{stem}_rank") and n.endswith(".log")) for n in names):
+        shutil.rmtree(folder, ignore_errors=True)  # (<stem>_rank<N>.log: the other ranks' logs under torchrun)
 
 
 def run(cfg: DictConfig) -> float:
@@ -98,36 +107,42 @@ def run(cfg: DictConfig) -> float:
 
     plain = to_plain(spec.cfg)
     main = rank() == 0
-    folder = RunFolder(run_folder(plain))
-    if main:
+    folder = RunFolder(run_folder(plain), read_only=not main)  # under torchrun rank 0 alone writes
+    with distributed.process_group(spec):
+        refusal = None
+        if main:
+            try:
+                folder.acquire(fresh=not spec.cfg.train.resume)
+            except RunBusy as error:
+                refusal = error
+            except OSError as error:  # a checkpoint_dir that cannot exist or be written
+                refusal = ConfigError(
+                    f"train.checkpoint_dir={spec.cfg.train.checkpoint_dir}: cannot create the run folder "
+                    f"{folder.path} ({error.strerror}); allowed: a writable folder (null = <project root>/checkpoints)")
+        refusal = distributed.from_main(refusal)  # also keeps the other ranks off the folder until it is ready
+        if refusal is not None:
+            return _bad_input(refusal, multirun, output_dir)
         try:
-            folder.acquire(fresh=not spec.cfg.train.resume)
-        except RunBusy as error:
-            return _bad_input(error, multirun, output_dir)
-        except OSError as error:  # a checkpoint_dir that cannot exist or be written
-            return _bad_input(ConfigError(
-                f"train.checkpoint_dir={spec.cfg.train.checkpoint_dir}: cannot create the run folder "
-                f"{folder.path} ({error.strerror}); allowed: a writable folder (null = <project root>/checkpoints)"
-            ), multirun, output_dir)
-    try:
-        return _run_in_folder(spec, plain, data, folder if main else None, multirun, output_dir, overrides)
-    finally:
-        folder.release()
+            return _run_in_folder(spec, plain, data, folder, multirun, output_dir, overrides)
+        finally:
+            folder.release()
 
 
 def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder: RunFolder | None,
                    multirun: bool, output_dir: str | None, overrides: list) -> float:
     c = spec.cfg
-    record = folder.record() if folder is not None else None
+    record = distributed.from_main(folder.record() if folder is not None else None)  # rank 0's decides
     if record and record.get("status") == "finished":
-        if c.tracking.enabled and record.get("mlflow_run_id"):  # metrics its server missed, if any
+        if c.tracking.enabled and record.get("mlflow_run_id") and not folder.read_only:  # metrics its server missed
             replay_folder(c.tracking.uri, record["mlflow_run_id"], folder.path)
         value = record["final"]["final/val_loss"]
         print(f"{folder.path.name}: already finished (val loss {value:.4f}, MLflow run "
               f"{record.get('mlflow_run_id')}); train.resume=false trains it again", file=sys.stderr)
         return value
+    if record and record.get("status") == "failed" and not c.train.retry_failed:
+        return _skip_failed(folder, record, multirun)
 
-    state = folder.load() if folder is not None else None
+    state = distributed.load_everywhere(folder) if folder is not None else None  # every rank loads it
     label = c.tracking.run_name or f"{c.residual.name}-{c.model.name}-s{c.train.seed}"
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
     if folder is not None:
@@ -144,8 +159,10 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         if c.tracking.log_plots and tracker.enabled and trainer.history:
             tracker.log_figure(instrument.depth_weights_figure(trainer.history[-1], label), "plots/depth_weights.png")
             tracker.log_figure(instrument.magnitudes_figure(trainer.history, label), "plots/magnitudes.png")
-        if c.tracking.log_model and tracker.enabled:
-            _log_model(tracker, trainer.model, plain)
+        if c.tracking.log_model and c.tracking.enabled:
+            model = trainer.export_model()  # under FSDP a gather: every rank takes part
+            if tracker.enabled:
+                _log_model(tracker, model, plain)
     except BaseException as error:
         _end_on_error(tracker, folder, error)
         if isinstance(error, StopRequested):
@@ -155,10 +172,28 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
     if folder is not None:
         folder.write_record(status="finished", final=final)
     tracker.end("FINISHED")
-    print(f"{label}: val loss {final['final/val_loss']:.4f} after {final['final/tokens']:,} tokens "
-          f"({final['final/train_seconds']:.1f} s)" + (f", MLflow run {tracker.run_id}" if tracker.enabled else ""),
-          file=sys.stderr)
+    if folder is None or not folder.read_only:  # under torchrun rank 0 reports for all
+        print(f"{label}: val loss {final['final/val_loss']:.4f} after {final['final/tokens']:,} tokens "
+              f"({final['final/train_seconds']:.1f} s)" + (f", MLflow run {tracker.run_id}" if tracker.enabled else ""),
+              file=sys.stderr)
     return final["final/val_loss"]
+
+
+class PreviouslyFailed(RuntimeError):
+    """This config's run failed before and train.retry_failed is false: it is not trained again."""
+
+
+def _skip_failed(folder: RunFolder, record: dict[str, Any], multirun: bool) -> float:
+    """A failed run (divergence, an error) is not retrained behind the user's back: rerunning a
+    sweep redoes only what was interrupted. The job reports the failure as a failed job does (a
+    multirun counts it failed, exit 1), so the sweep's outcome stays what it was."""
+    reason = " ".join(str(record.get("failure") or "no reason recorded").split())
+    line = (f"{folder.path.name}: failed before ({reason}); not trained again: add "
+            f"train.retry_failed=true to resume it from its last good checkpoint")
+    print(line, file=sys.stderr, flush=True)
+    if multirun:
+        raise PreviouslyFailed(line)
+    raise SystemExit(1)
 
 
 @contextmanager
@@ -193,7 +228,7 @@ def _end_on_error(tracker, folder: RunFolder | None, error: BaseException) -> No
     if pruning is not None and isinstance(error, pruning.TrialPruned):
         tracker.end("PRUNED", {"pruned": "true"})
         status = "pruned"
-    elif isinstance(error, (KeyboardInterrupt, StopRequested)):
+    elif isinstance(error, (KeyboardInterrupt, StopRequested, SystemExit)):  # a launcher's exit: resumable
         tracker.end("KILLED", {"attnres.failure": f"interrupted ({type(error).__name__}: {error})"})
         status = "interrupted"
     else:
@@ -250,7 +285,8 @@ def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, sta
 def _log_start(tracker, spec: RunSpec, plain, data: TokenData, overrides: list) -> None:
     c = spec.cfg
     params = dict(flatten(plain), **spec.counts)
-    params["train.accum_steps"] = spec.accum_steps  # derived: batch_size / micro_batch_size
+    params["train.accum_steps"] = spec.accum_steps  # derived: batch_size / (world_size · micro_batch_size)
+    params["train.world_size"] = spec.world_size  # processes (torchrun); the batch is global whatever it is
     tracker.log_params(params)
     tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(plain)), "config/resolved.yaml")
     tracker.log_text("\n".join(overrides) + "\n", "config/overrides.txt")

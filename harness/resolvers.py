@@ -10,12 +10,16 @@
   sweeps, so each grid cell's config shows its real d_model, layers, heads and d_ff.
 - `${cell:key}`: sweep.cells[sweep.cell][key], for sweeps that are a union rather than a product
   of values (block sizes plus the baseline).
+- `${attnres.now:pattern}`: Hydra's `${now:pattern}`, except under torchrun, where it is the start
+  time the ranks agreed on (harness/launch.py): hydra.run.dir uses it, so all ranks of a launch
+  share one output folder.
 Resolvers are pure functions of the config, so composing a sweep's jobs up front (the multirun
 callback validates every job before anything is written) costs milliseconds.
 """
 from __future__ import annotations
 
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +89,14 @@ def _cell(key: str, *, _root_: DictConfig) -> Any:
     return cells[cell][key]
 
 
+def launch_now(pattern: str) -> str:
+    agreed = os.environ.get("ATTNRES_LAUNCH_TIME")  # harness.launch.LAUNCH_TIME_ENV
+    return (datetime.fromtimestamp(float(agreed)) if agreed else datetime.now()).strftime(pattern)
+
+
 def register() -> None:
+    if not OmegaConf.has_resolver("attnres.now"):
+        OmegaConf.register_new_resolver("attnres.now", launch_now, use_cache=True)  # cached as Hydra's now
     for name, fn in (
         ("attnres.tracking_uri", lambda: default_tracking_uri()),
         ("arch", _arch),

@@ -17,6 +17,11 @@ Design decisions:
   training steps; validation, instrumentation and checkpoints are timed apart and do not dilute it.
 - The loop talks to the outside through the tracker (NullTracker when off), `harness.pruning`
   (a no-op outside a sweep) and the run folder; it never imports MLflow or Hydra.
+- **Data parallelism is a strategy object** (`self.parallel`, harness/distributed.py): one
+  process (`Local`: the loop exactly as without it), DDP or FSDP2 under torchrun. The loop asks
+  it for its batches, its share of the held-out set, the loss and stop decision agreed by all
+  ranks, and the model and optimizer states; rank 0 alone logs (the others hold a NullTracker)
+  and writes (the others' run folder is read-only).
 - Test hook: ATTNRES_TEST_KILL_AT_STEP=N ends the process with os._exit(137) right after step N,
   without flushing or closing anything: what kill -9 does, deterministically.
 """
@@ -35,9 +40,9 @@ import torch
 from tqdm.auto import tqdm
 
 from attnres import DecoderLM
-from harness import instrument
+from harness import distributed, instrument
 from harness.config import RunSpec, rank, to_plain
-from harness.data import MultiHopProbe, TokenData, batch_iterator, val_batches
+from harness.data import MultiHopProbe, TokenData, val_batches
 from harness.optim import build_optimizer, lr_multiplier, set_lr
 
 try:  # the sweeper's interface; absent in a checkout without the sweeper
@@ -64,26 +69,28 @@ def _due(step: int, interval: int, total: int) -> bool:
     return step == total or (interval > 0 and step % interval == 0)
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(cuda: bool = True) -> dict[str, Any]:
     """Every generator's state, as tensors and tuples of ints only: the checkpoint then loads with
-    torch.load(weights_only=True) (no pickled code runs, here or in attnres.load)."""
+    torch.load(weights_only=True) (no pickled code runs, here or in attnres.load). cuda=False
+    (under torchrun) leaves out the CUDA generators: reading every device's would open a context
+    on each GPU of the node from each rank, and training draws nothing from them."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
     }
-    if torch.cuda.is_available():
+    if cuda and torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], cuda: bool = True) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
+    if cuda and "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -95,13 +102,18 @@ class Trainer:
         self.device = spec.device
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in fp32
-        torch.manual_seed(t.seed)  # model init is a function of the seed alone
+        torch.manual_seed(t.seed)  # model init is a function of the seed alone (the same on every rank)
+        self.parallel = distributed.strategy(spec)
         self.model = DecoderLM(self.cfg.model, self.cfg.residual).to(self.device)
-        self.forward = torch.compile(self.model) if spec.compile else self.model
-        self.optimizer = build_optimizer(self.model, self.cfg.optim)
+        wrapped = self.parallel.wrap(self.model)  # FSDP shards self.model in place
+        self.forward = torch.compile(wrapped) if spec.compile else wrapped
+        self.optimizer = build_optimizer(self.model, self.cfg.optim)  # after wrap: FSDP's parameters
         self.data = data
-        self.val = [(x.to(self.device), y.to(self.device))
-                    for x, y in val_batches(data.val, spec.micro_batch_size, t.seq_len, t.eval_batches)]
+        # The single-process held-out set (batches of the single-process micro-batch), of which
+        # each rank evaluates its share: the all-reduced loss is the single-process loss.
+        held_out = val_batches(data.val, spec.data_micro_batch_size, t.seq_len, t.eval_batches)
+        self.val = [(x.to(self.device), y.to(self.device), n) for x, y, n in self.parallel.val_shard(held_out)]
+        self.instrument_x = held_out[0][0][: t.instrument_seqs].to(self.device) if held_out else None
         self.probe = MultiHopProbe.from_config(self.cfg.data) if self.cfg.data.name == "multihop" else None
         self.flops_per_token = spec.counts["count.flops_per_token"]
         # progress
@@ -116,26 +128,32 @@ class Trainer:
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        model_state, optimizer_state = self.parallel.state(self.model, self.optimizer)  # FSDP: a collective
         return {
             "config": self.plain_config,  # what attnres.load needs to rebuild the model
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "step": self.step,
-            "micro_batches": self.step * self.spec.accum_steps,  # the data position
+            # the data position, in single-process micro-batches whatever the world size
+            "micro_batches": self.step * (self.cfg.train.batch_size // self.spec.data_micro_batch_size),
             "best_val": self.best_val,
             "last_val": self.last_val,
             "elapsed": self.elapsed,
             "history": self.history,
-            "rng": rng_state(),
+            "rng": rng_state(cuda=self.spec.parallel is None),
             "mlflow_run_id": self.tracker.run_id,  # also in run.json, which exists before step 1
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.parallel.load_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.step, self.best_val, self.last_val = state["step"], state["best_val"], state["last_val"]
         self.elapsed, self.history = state["elapsed"], list(state["history"])
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"], cuda=self.spec.parallel is None)
+
+    def export_model(self) -> torch.nn.Module | None:
+        """The model to save or log: the trained module itself, or under FSDP its gathered copy on
+        rank 0 (None on the others). Under FSDP every rank must call it."""
+        return self.parallel.plain_model(self.model)
 
     def request_stop(self) -> None:
         """Stop after the current step, with a checkpoint (safe to call from a signal handler)."""
@@ -152,11 +170,12 @@ class Trainer:
         total = 0.0
         count = 0
         with self._autocast():
-            for x, y in self.val:
+            for x, y, n in self.val:  # n: sequences counted (0 for a rank's padding batch)
                 _, loss = self.forward(x, y)
-                total += float(loss) * x.shape[0]
-                count += x.shape[0]
+                total += float(loss) * n
+                count += n
         self.model.train()
+        total, count = self.parallel.sums(total, count)
         return total / count
 
     def _checkpoint(self) -> None:
@@ -165,17 +184,19 @@ class Trainer:
         tagged (attnres.checkpoint_error, attnres.checkpoint_failures), and the next interval tries
         again. Losing an hour of compute to a transient disk problem is worse than training on with
         an older checkpoint; a disk that stays full shows up in the tags of every run it hits."""
-        if self.folder is None or rank() != 0:
+        if self.folder is None:
             return
         # The loss is checked before each update, but the update itself can overflow the weights
         # (a loss that was finite, a learning rate far too high): such a state must never replace
-        # the last good checkpoint. One host sync per checkpoint, not per step.
-        if not bool(torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()):
+        # the last good checkpoint. One host sync per checkpoint, not per step. Every rank checks
+        # and gathers the state (FSDP: collectives); rank 0 writes (the others' folder is read-only).
+        if not self.parallel.all_finite(self.model):
             raise NonFiniteLoss(f"non-finite weights after step {self.step} (the update diverged); "
                                 "checkpoint not written, the previous one is kept", self.step)
         self.tracker.flush()  # every step up to the checkpoint is in MLflow before it exists
+        state = self.state_dict()
         try:
-            self.folder.save(self.state_dict())
+            self.folder.save(state)
         except OSError as error:
             self.checkpoint_failures += 1
             message = f"checkpoint at step {self.step} not written ({error}); the previous one is kept"
@@ -199,8 +220,7 @@ class Trainer:
             pruning.report(self.step, loss)  # raises pruning.TrialPruned when a sweep says stop
 
     def _instrument(self, grad_norms: list[float] | None) -> None:
-        x = self.val[0][0][: self.cfg.train.instrument_seqs]
-        rec = instrument.record(self.model, x, self.step, grad_norms)
+        rec = instrument.record(self.model, self.instrument_x, self.step, grad_norms)
         self.history.append(rec)
         self.tracker.log_metrics(instrument.metrics(rec), self.step)
         self.tracker.log_dict(rec, instrument.artifact_name(self.step))
@@ -209,8 +229,7 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         spec, t = self.spec, self.cfg.train
         total, accum = spec.steps, spec.accum_steps
-        batches = batch_iterator(self.data.train, spec.micro_batch_size, t.seq_len, t.seed,
-                                 start_batch=self.step * accum)
+        batches = self.parallel.train_batches(self.data.train, self.step)  # this rank's micro-batches
         bar = tqdm(total=total, initial=self.step, desc=self.label, unit="step", dynamic_ncols=True,
                    disable=not t.progress or rank() != 0, leave=False)
         window_loss, window_steps, window_time = 0.0, 0, 0.0
@@ -222,21 +241,24 @@ class Trainer:
                 tic = time.perf_counter()
                 lr = set_lr(self.optimizer, lr_multiplier(self.cfg.schedule, self.step, total))
                 loss_sum = torch.zeros((), device=self.device)
-                for _ in range(accum):
+                for i in range(accum):
                     x, y = next(batches)
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                    with self._autocast():
-                        _, loss = self.forward(x, y)
-                    (loss / accum).backward()
+                    with self.parallel.gradient_sync(last_micro_batch=i == accum - 1):  # DDP: once per step
+                        with self._autocast():
+                            _, loss = self.forward(x, y)
+                        (loss / accum).backward()
                     loss_sum += loss.detach()
-                step_loss = float(loss_sum) / accum  # the one sync of the step
+                # the one sync of the step; under torchrun the mean over ranks, and the ranks
+                # agree on a stop request in the same all-reduce
+                step_loss = self.parallel.step_loss(loss_sum, accum, self._stop_requested)
                 if not math.isfinite(step_loss):
                     raise NonFiniteLoss(f"non-finite training loss ({step_loss}) at step {self.step + 1}",
                                         self.step + 1)
                 instrument_now = _due(self.step + 1, t.instrument_interval, total)
-                grad_norms = self.model.grad_norm_per_block() if instrument_now else None
+                grad_norms = self.parallel.grad_norm_per_block(self.model) if instrument_now else None
                 clip = self.cfg.optim.grad_clip
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+                norm = self.parallel.clip_grad_norm(self.model, clip if clip > 0 else math.inf)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
@@ -265,12 +287,13 @@ class Trainer:
                     self._validate(tokens)
                     bar.set_postfix(loss=f"{step_loss:.4f}", val=f"{self.last_val:.4f}", refresh=False)
                 self.elapsed = time.perf_counter() - started
-                if _due(self.step, t.checkpoint_interval, total) or self._stop_requested:
+                stop = self.parallel.stop_now(self._stop_requested)  # the same on every rank
+                if _due(self.step, t.checkpoint_interval, total) or stop:
                     self._checkpoint()
                 bar.update(1)
                 if self.step == self._kill_at:
                     os._exit(137)  # test hook: die like kill -9 (nothing flushed, nothing closed)
-                if self._stop_requested:
+                if stop:
                     raise StopRequested(f"stopped at step {self.step} of {total}; rerun to resume")
         finally:
             bar.close()

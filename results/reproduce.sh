@@ -29,8 +29,8 @@ lane_b() {
   python run.py -m +sweep=scaling "${common[@]}" || return 1    # Fig. 4: 4 sizes x 3 variants x 2 seeds
   python run.py -m +sweep=arch "${common[@]}" || return 1       # Fig. 7: 5 x 3 shapes x baseline/block
 }
-lane_a > study/lane_a.log 2>&1 & a=$!
-lane_b > study/lane_b.log 2>&1 & b=$!
+lane_a >> study/lane_a.log 2>&1 & a=$!
+lane_b >> study/lane_b.log 2>&1 & b=$!
 wait $a || { echo "lane a (ablation, multihop) failed: study/lane_a.log" >&2; status=1; }
 wait $b || { echo "lane b (block_size, scaling, arch) failed: study/lane_b.log" >&2; status=1; }
 

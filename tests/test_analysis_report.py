@@ -87,7 +87,7 @@ def tiny_db(tmp_path_factory):
     client = MlflowClient(tracking_uri=uri)
     rng = np.random.default_rng(0)
     exps = {s: client.create_experiment(s, artifact_location=(root / "art" / s).as_uri())
-            for s in ("ablation", "scaling", "block_size", "arch")}
+            for s in ("ablation", "scaling", "block_size", "arch", "multihop")}
     client.create_experiment("empty", artifact_location=(root / "art" / "empty").as_uri())
     parent = client.create_run(exps["ablation"], tags={"attnres.role": "parent"}).info.run_id
     for v, off in OFFSET.items():
@@ -117,12 +117,20 @@ def tiny_db(tmp_path_factory):
                          tokens=10_000, d_model=128, layers=layers, n_heads=int(hpl * layers),
                          extra={"sweep.arch.d_model_per_layer": dpl,
                                 "sweep.arch.heads_per_layer": hpl})
+    for v, gain in (("baseline", 0.0), ("block", 0.1)):
+        for seed in (0, 1):
+            rid = _log_run(client, exps["multihop"], variant=v, sweep="multihop", seed=seed,
+                           loss=1.5, tokens=10_000)
+            for k in (1, 2, 3):
+                client.log_metric(rid, f"probe/acc_hop_{k}", 0.9 / k + gain + 0.01 * seed, step=5)
     return {"uri": uri, "root": root, "failed": failed, "parent": parent}
 
 
 def test_loader_reads_schema(tiny_db):
     runs = load_runs(tiny_db["uri"])
-    assert len(runs) == 13 + 6 + 5 + 16  # ablation (one FAILED), scaling, block size, arch
+    assert len(runs) == 13 + 6 + 5 + 16 + 4  # ablation (one FAILED), scaling, block size, arch, probe
+    probe = runs[runs["sweep"] == "multihop"].set_index(["variant", "seed"])
+    assert probe.loc[("block", 1), "probe_acc_hop_3"] == pytest.approx(0.3 + 0.1 + 0.01)
     assert tiny_db["parent"] not in set(runs["run_id"])  # parent runs hold no training
     failed = runs.set_index("run_id").loc[tiny_db["failed"]]
     assert failed["status"] == "FAILED" and "NaN" in failed["failure"]
@@ -144,7 +152,7 @@ def test_report_end_to_end_and_from_snapshot(tiny_db, tmp_path):
                  "--n-boot", "200"]) == 0
     report = (out_db / "REPORT.md").read_text()
     for fig in ("fig4_scaling", "fig5_dynamics", "fig6_block_size", "fig7_arch",
-                "fig8_depth_weights", "training_curves"):
+                "fig8_depth_weights", "training_curves", "multihop_probe"):
         for ext in ("png", "pdf"):
             assert (out_db / "figures" / f"{fig}.{ext}").stat().st_size > 1000, fig
     assert tiny_db["failed"][:12] in report and "FAILED" in report  # listed, not dropped
@@ -180,6 +188,11 @@ def test_report_end_to_end_and_from_snapshot(tiny_db, tmp_path):
                     "5.6 PFLOP/s-days)"] == "agrees"
     assert verdicts["Full AttnRes beats the baseline (paper Δ -0.029)"] == "agrees"
     assert verdicts["AttnRes wins in every cell (25 of 25)"] == "does not agree"  # 4 of 8 here
+    assert verdicts["block answers multi-hop chains better than the baseline (mean over hop "
+                    "counts)"] == "agrees"
+    assert "What it would take to tell" in report
+    probe = pd.read_csv(out_db / "tables" / "multihop_probe.csv").set_index("variant")
+    assert probe.loc["block", "hop 2"] == pytest.approx(0.45 + 0.1 + 0.005)
 
     # Export a snapshot with the CLI, then regenerate from it: tables and report must match.
     snap = tmp_path / "snap" / "runs.csv"

@@ -1,5 +1,10 @@
 """Bad input at every user-facing door of run.py: exit code 2, one line naming the key, the value
-and what is allowed, and nothing left behind (no run folder, no Hydra output folder, no store)."""
+and what is allowed, and nothing left behind (no run folder, no Hydra output folder, no store).
+
+The doors: values the harness validates (harness/config.py), data, the checkpoint folder, the
+tracking URI, and what Hydra itself refuses while composing (harness/composition_errors.py): a
+misspelt key, a wrong type, an unknown group option, a missing or a superfluous `+`, in a single
+run, a basic multirun and an Optuna sweep. `{tmp}` in a case stands for the test's folder."""
 import os
 import subprocess
 import sys
@@ -17,6 +22,37 @@ CASES = {
                                                     "tracking.uri=sqlite:////proc/x/mlflow.db"),
     "a dead tracking server, in a multirun": (["-m", "residual=baseline,block", "tracking.uri=http://127.0.0.1:1"],
                                               "tracking.uri=http://127.0.0.1:1: no MLflow server answers"),
+    # Refused by Hydra while composing: its multi-line report and exit 1 before harness/composition_errors.py.
+    "a misspelt key": (["model.layerz=3"], "model.layerz=3: model has no key 'layerz' (did you mean 'layers'?); "
+                                           "allowed: name, vocab_size, d_model, layers,"),
+    "a misspelt top-level key": (["sweeper=basic"], "sweeper=basic: the config has no key 'sweeper' (did you mean "
+                                                    "'sweep'?); allowed: "),
+    "a wrong type": (["model.layers=abc"], "model.layers=abc: not an integer; allowed: an integer"),
+    "a value outside an enum": (["train.precision=fp16"], "train.precision=fp16: not one of the choices; "
+                                                          "allowed: auto, fp32, bf16"),
+    "null for a required value": (["model.layers=null"], "model.layers=null: null is not allowed; allowed: an integer"),
+    "an unknown group option": (["residual=blok"], "residual=blok: no option 'blok' in group residual (did you "
+                                                   "mean 'block'?); allowed: baseline, block, block_multihead,"),
+    "a group added without +": (["sweep=ablation"], "sweep=ablation: sweep is not in the defaults list, so it "
+                                                    "cannot be overridden; allowed: +sweep=ablation"),
+    "an existing key added with +": (["+model.layers=3"], "+model.layers=3: model.layers already exists and + only "
+                                                          "adds new keys; allowed: model.layers=3"),
+    "a misspelt key added with +": (["+model.layerz=3"], "model.layerz=3: model has no key 'layerz' (did you mean "
+                                                         "'layers'?)"),
+    "an override that does not parse": (["train.steps=["], "train.steps=[: not a valid override"),
+    "a comma list without -m": (["residual=baseline,block"], "residual=baseline,block: a sweep needs a multirun; "
+                                                             "allowed: python run.py -m residual=baseline,block"),
+    "a misspelt key, in a multirun": (["-m", "residual=baseline,block", "model.layerz=3"],
+                                      "model.layerz=3: model has no key 'layerz'"),
+    "an unknown option in a sweep": (["-m", "residual=blok,block"], "residual=blok: no option 'blok' in group residual"),
+    "a wrong type in a sweep": (["-m", "model.layers=4,abc"], "model.layers=abc: not an integer; allowed: an integer"),
+    "an unknown option in an Optuna sweep": (["-m", "hydra/sweeper=attnres_optuna", "residual=blok,block",
+                                              "optim.lr=interval(1e-3,1e-2)", "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
+                                             "residual=blok: no option 'blok' in group residual"),
+    "a misspelt Optuna sweeper option": (["-m", "hydra/sweeper=attnres_optuna", "hydra.sweeper.n_trails=2",
+                                          "optim.lr=interval(1e-3,1e-2)", "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
+                                         "hydra.sweeper.n_trails=2: hydra.sweeper has no key 'n_trails' (did you mean "
+                                         "'n_trials'?)"),
 }
 
 
@@ -27,11 +63,33 @@ def test_bad_input_exits_2_with_one_line_naming_the_key(case, tmp_path):
             f"hydra.run.dir={tmp_path / 'out'}", f"hydra.sweep.dir={tmp_path / 'out'}"]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     flags = [a for a in extra if a.startswith("-")]  # before the overrides (argparse)
-    overrides = [a for a in extra if not a.startswith("-")]
+    overrides = [a.replace("{tmp}", str(tmp_path)) for a in extra if not a.startswith("-")]
     result = subprocess.run([sys.executable, "run.py", *flags, *TINY, *base, *overrides], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)  # the last override of a key wins
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [l for l in result.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()
+    assert not (tmp_path / "optuna.db").exists()
     assert not list((tmp_path / "ckpt").rglob("run.json")) if (tmp_path / "ckpt").exists() else True
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--help"], "== Configuration groups =="),
+    (["--cfg", "job"], "layers: 3"),
+    (["--info", "defaults"], "Defaults List"),
+])
+def test_help_cfg_and_info_still_work(flags, expected):
+    """The one-line errors wrap Hydra's reporting; Hydra's own commands must be untouched."""
+    result = subprocess.run([sys.executable, "run.py", *flags, "model.layers=3"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and expected in result.stdout, result.stderr[-3000:]
+    assert result.stderr == ""
+
+
+def test_full_error_still_gives_hydras_report(tmp_path):
+    """HYDRA_FULL_ERROR=1 is the way to debug a composition error: Hydra's traceback, not our line."""
+    env = dict(os.environ, HYDRA_FULL_ERROR="1")
+    result = subprocess.run([sys.executable, "run.py", "model.layerz=3", f"hydra.run.dir={tmp_path / 'out'}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" in result.stderr and "error: model.layerz" not in result.stderr

@@ -284,3 +284,32 @@ def test_tracking_follows_the_task_config(tmp_path, monkeypatch):
     task.tracking.enabled = False
     assert resolve_tracking(MlflowConf(), task, tmp_path) is None
     assert resolve_tracking(MlflowConf(enabled=False), OmegaConf.create({}), tmp_path) is None
+
+
+class _ParentWrites:
+    """Records the statuses written on a study's parent run; the first write can play another
+    worker finishing the study's last running trial meanwhile."""
+
+    def __init__(self, study, finish_meanwhile=None):
+        self.study, self.finish_meanwhile, self.statuses = study, finish_meanwhile, []
+
+    def update_parent(self, parent, study, status):
+        self.statuses.append(status)
+        if self.finish_meanwhile is not None:
+            self.study.tell(self.finish_meanwhile, 1.0)
+            self.finish_meanwhile = None
+
+
+@pytest.mark.parametrize("other_worker_finishes_meanwhile, expected", [
+    (False, ["RUNNING"]),  # the other worker will write the final view itself
+    (True, ["RUNNING", "FINISHED"]),  # its final write may have landed before ours: write it again
+])
+def test_a_worker_done_early_never_leaves_a_finished_study_running(other_worker_finishes_meanwhile, expected):
+    from hydra_plugins.attnres_optuna_sweeper._runner import _update_parent
+
+    study = optuna.create_study()
+    study.tell(study.ask(), 2.0)  # this worker's trial
+    running = study.ask()  # another worker's, still running
+    writes = _ParentWrites(study, running if other_worker_finishes_meanwhile else None)
+    _update_parent(writes, "parent-run-id", study, "FINISHED", n_trials=2)
+    assert writes.statuses == expected

@@ -14,6 +14,11 @@ Design decisions:
   same in an average); a split smaller than one batch gives a single smaller batch.
 - Batches are int64 (what nn.Embedding and cross_entropy take) on the CPU; moving them to the
   device is the training loop's business (it knows about pinning and non-blocking copies).
+- Data-parallel training (`rank_batch_iterator`) does not define a stream of its own: the global
+  batch of a step is the one a single process draws (the same batches i of the same size), and
+  each rank takes a contiguous slice of it. N processes therefore see exactly the sequences one
+  process sees, whatever N and whatever micro-batch each rank uses, and a run can resume on a
+  different number of processes.
 """
 from __future__ import annotations
 
@@ -61,10 +66,47 @@ def batch_iterator(
         raise DataError(f"start_batch={start_batch}: must be >= 0")
     i = start_batch
     while True:
-        rng = np.random.default_rng([seed % 2**64, i])
-        starts = rng.integers(0, n - seq_len, size=batch_size)  # last start: n - seq_len - 1
-        yield _windows(tokens, starts, seq_len)
+        yield _windows(tokens, _batch_starts(n, batch_size, seq_len, seed, i), seq_len)
         i += 1
+
+
+def _batch_starts(n: int, batch_size: int, seq_len: int, seed: int, i: int) -> np.ndarray:
+    """Window starts of batch i: the one definition of the training stream."""
+    rng = np.random.default_rng([seed % 2**64, i])
+    return rng.integers(0, n - seq_len, size=batch_size)  # last start: n - seq_len - 1
+
+
+def rank_batch_iterator(
+    tokens: torch.Tensor, batch_size: int, stream_batch_size: int, micro_batch_size: int, seq_len: int,
+    seed: int, rank: int, world_size: int, start_step: int = 0,
+) -> Iterator[Batch]:
+    """Rank `rank`'s micro-batches of every optimizer step from `start_step` on.
+
+    A step's global batch is `batch_size` sequences: batches step·k .. step·k + k-1 of
+    `batch_iterator(tokens, stream_batch_size, ...)` (k = batch_size / stream_batch_size), which
+    is what one process trains on. Rank r takes sequences [r·P, (r+1)·P) of it (P = batch_size /
+    world_size), in micro-batches of `micro_batch_size`: P / micro_batch_size of them per step.
+    Only the windows of the slice are gathered; the starts of the batches it spans are drawn
+    (a few integers each)."""
+    n = _check(tokens, micro_batch_size, seq_len)
+    per_rank = batch_size // world_size
+    if batch_size % world_size or batch_size % stream_batch_size or per_rank % micro_batch_size:
+        raise DataError(f"rank batch: batch_size={batch_size} must divide over {world_size} ranks and into "
+                        f"batches of {stream_batch_size}, its share ({per_rank}) into micro-batches of "
+                        f"{micro_batch_size}")
+    if not 0 <= rank < world_size or start_step < 0:
+        raise DataError(f"rank batch: rank={rank} of {world_size}, start_step={start_step}")
+    per_step = batch_size // stream_batch_size
+    lo, hi = rank * per_rank, (rank + 1) * per_rank  # this rank's sequences in the global batch
+    first, last = lo // stream_batch_size, (hi - 1) // stream_batch_size  # the stream batches they lie in
+    offset = lo - first * stream_batch_size
+    step = start_step
+    while True:
+        starts = np.concatenate([_batch_starts(n, stream_batch_size, seq_len, seed, step * per_step + k)
+                                 for k in range(first, last + 1)])[offset : offset + per_rank]
+        for j in range(0, per_rank, micro_batch_size):
+            yield _windows(tokens, starts[j : j + micro_batch_size], seq_len)
+        step += 1
 
 
 def val_batches(

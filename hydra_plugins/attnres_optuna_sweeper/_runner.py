@@ -93,8 +93,8 @@ class SweepRunner:
             n_trials = min(n_trials, grid_size(plan.dimensions))
         make_sampler(s.sampler, plan.dimensions)  # refuse bad sampler options before any work
         make_pruner(s.pruner)
-        prefix = self._study_prefix()
-        self._check_jobs_compose(plan, prefix)
+        prefix = study_prefix(s, self.config)
+        compose_jobs(self.hydra_context.config_loader, self.config, s, plan, prefix)
 
         storage_url = resolve_url(s.storage, self.base_dir)
         storage = open_storage(storage_url, s.heartbeat_interval, s.grace_period)
@@ -126,28 +126,6 @@ class SweepRunner:
         finally:
             rows = self._write_summary(plan, prefix, n_trials, storage)
         return rows
-
-    def _study_prefix(self) -> str:
-        prefix = self.settings.study_name or OmegaConf.select(
-            self.config, "sweep.name", default=None
-        )
-        return str(prefix or self.config.hydra.job.name)
-
-    def _check_jobs_compose(self, plan: Plan, prefix: str) -> None:
-        """Compose every cell's job config once, with a sample point, before anything runs."""
-        sample = [d.override(_sample_value(d.distribution)) for d in plan.dimensions]
-        if self.settings.mlflow.enabled:
-            sample.append(f"++{self.settings.mlflow.parent_run_key}=check")
-        for cell in plan.cells:
-            try:
-                self.hydra_context.config_loader.load_sweep_config(
-                    self.config, [*plan.fixed, *cell.overrides, *sample]
-                )
-            except Exception as error:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-                raise SweeperConfigError(
-                    f"the jobs of study {cell.study_name(prefix)} do not compose: {first}"
-                ) from None
 
     def _write_summary(
         self, plan: Plan, prefix: str, n_trials: int, storage: optuna.storages.BaseStorage
@@ -220,11 +198,8 @@ class SweepRunner:
             raise
         finally:
             if tracker is not None and parent is not None:
-                final = Ledger.of(study.get_trials(deepcopy=False))
-                if status == "FINISHED" and (final.done < n_trials or final.running):
-                    status = "RUNNING"  # other workers are still on it
                 try:
-                    tracker.update_parent(parent, study, status)
+                    _update_parent(tracker, parent, study, status, n_trials)
                 except Exception as error:  # results are in the storage; MLflow is a view
                     log.warning("study %s: could not update its MLflow parent run: %s", name, error)
 
@@ -273,7 +248,7 @@ class SweepRunner:
         s = self.settings
         values = cell.values()
         tags = {
-            "attnres.sweep": self._study_prefix(),
+            "attnres.sweep": study_prefix(s, self.config),
             "optuna.direction": s.direction,
             "optuna.n_trials": str(n_trials),
             "optuna.sampler": describe(s.sampler),
@@ -404,6 +379,54 @@ class SweepRunner:
             except Exception as error:
                 log.warning("trial %d: could not tag its MLflow run: %s", trial.number, error)
         return frozen
+
+
+def _update_parent(
+    tracker: StudyTracker, parent: str, study: optuna.Study, status: str, n_trials: int
+) -> None:
+    """Write this worker's view of the study (counts, best, status) on its parent run.
+
+    A worker that is done while others still run trials leaves the parent RUNNING. If they finish
+    while it writes, its older view can land after the last worker's FINISHED one and leave a
+    finished study's parent RUNNING with stale best tags, so it looks again afterwards and, if the
+    study is now complete, writes the final view itself. Whichever order the writes take, the last
+    one then comes from a complete view (tests/test_sweeper_unit.py; two real workers:
+    tests/test_reliability_postgres.py).
+    """
+    if status == "FINISHED" and not _complete(study, n_trials):
+        tracker.update_parent(parent, study, "RUNNING")  # other workers are still on it
+        if not _complete(study, n_trials):
+            return
+    tracker.update_parent(parent, study, status)
+
+
+def _complete(study: optuna.Study, n_trials: int) -> bool:
+    ledger = Ledger.of(study.get_trials(deepcopy=False))
+    return ledger.done >= n_trials and not ledger.running
+
+
+def study_prefix(settings: AttnresOptunaSweeperConf, config: DictConfig) -> str:
+    prefix = settings.study_name or OmegaConf.select(config, "sweep.name", default=None)
+    return str(prefix or config.hydra.job.name)
+
+
+def compose_jobs(
+    loader: Any, config: DictConfig, settings: AttnresOptunaSweeperConf, plan: Plan, prefix: str
+) -> None:
+    """Compose every cell's job config once, with a sample point, before anything runs."""
+    sample = [d.override(_sample_value(d.distribution)) for d in plan.dimensions]
+    if settings.mlflow.enabled:
+        sample.append(f"++{settings.mlflow.parent_run_key}=check")
+    for cell in plan.cells:
+        try:
+            loader.load_sweep_config(config, [*plan.fixed, *cell.overrides, *sample])
+        except Exception as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            # The cause stays attached: an app can print its own line from it (run.py does,
+            # harness/composition_errors.py); Hydra's report prints this message only.
+            raise SweeperConfigError(
+                f"the jobs of study {cell.study_name(prefix)} do not compose: {first}"
+            ) from error
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ Design decisions:
   MLflow's SQLite store, see ECOSYSTEM.md; the sweeper's MLflow client takes the same lock). The
   lock is ``flock`` on the database's folder: enough on one machine, which is the only place a
   SQLite file can be shared anyway, and it leaves no lock file behind.
+* **On a database server, first use is retried instead.** Two workers that start at once on a
+  fresh PostgreSQL database both create Optuna's tables and stamp its schema version; the loser
+  gets a unique-key violation (seen in tests/test_reliability_postgres.py). The server's own
+  transactions keep the winner's schema whole, so the loser only has to open the storage again.
 * SQLite waits up to 60 s for a lock held by another worker instead of failing at once, and runs
   in WAL mode with ``synchronous=NORMAL``: workers read while another writes, and a commit does
   not wait for the disk (safe against a crashed process; only a power cut can lose the last
@@ -22,7 +26,9 @@ Design decisions:
 from __future__ import annotations
 
 import os
+import random
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -32,11 +38,12 @@ from typing import Any, ContextManager
 import optuna
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, IntegrityError, ProgrammingError
 
 from .config import SweeperConfigError
 
 DEFAULT_STORAGE_FILE = "optuna.db"
+SERVER_INIT_ATTEMPTS = 5  # opening a server storage whose schema another worker is creating
 
 
 def resolve_url(storage: str | None, base_dir: Path) -> str:
@@ -106,6 +113,22 @@ def open_storage(
     url: str, heartbeat_interval: int, grace_period: int | None
 ) -> optuna.storages.RDBStorage:
     is_sqlite = make_url(url).get_backend_name() == "sqlite"
+    attempt = 1
+    while True:
+        try:
+            return _open_storage(url, is_sqlite, heartbeat_interval, grace_period)
+        except (IntegrityError, ProgrammingError):
+            # Another worker created the schema at the same moment (a duplicate table or version
+            # row); its transaction won, so opening again finds the schema complete.
+            if is_sqlite or attempt == SERVER_INIT_ATTEMPTS:
+                raise
+            time.sleep(random.uniform(0.2, 1.0) * attempt)
+            attempt += 1
+
+
+def _open_storage(
+    url: str, is_sqlite: bool, heartbeat_interval: int, grace_period: int | None
+) -> optuna.storages.RDBStorage:
     engine_kwargs = {"connect_args": {"timeout": 60}} if is_sqlite else {}
     try:
         with sqlite_init_lock(url), warnings.catch_warnings():

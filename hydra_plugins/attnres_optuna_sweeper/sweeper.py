@@ -28,6 +28,25 @@ class AttnresOptunaSweeper(Sweeper):
         self.settings: AttnresOptunaSweeperConf = OmegaConf.to_object(merged)  # type: ignore
         self._runner: Any = None
 
+    @staticmethod
+    def check_jobs(config: DictConfig) -> None:
+        """Refuse bad options, or grid cells whose jobs do not compose, from the multirun config
+        alone (SweeperConfigError). For a multirun callback that writes before Hydra sets the
+        sweeper up (harness.callbacks creates the MLflow store): a refused sweep leaves nothing."""
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        from ._runner import compose_jobs, study_prefix
+        from ._space import build_plan
+
+        merged = OmegaConf.merge(OmegaConf.structured(AttnresOptunaSweeperConf), config.hydra.sweeper)
+        settings: AttnresOptunaSweeperConf = OmegaConf.to_object(merged)  # type: ignore
+        validate(settings)
+        loader = GlobalHydra.instance().config_loader()
+        arguments = list(config.hydra.overrides.task)  # what Hydra passes to sweep()
+        plan = build_plan(arguments, settings.params, OverridesParser.create(config_loader=loader))
+        compose_jobs(loader, config, settings, plan, study_prefix(settings, config))
+
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
     ) -> None:

@@ -1,0 +1,189 @@
+"""Hydra's composition errors as one line, `error: <key>=<value>: <what is wrong>; allowed: <...>`,
+and exit code 2 — the harness's form for bad input (docs/RELIABILITY.md).
+
+A misspelt key, a wrong type, an unknown group option or a missing `+` are found by Hydra while it
+composes the config; Hydra prints its own report (several lines, a config search path, a hint about
+HYDRA_FULL_ERROR) and exits 1, which a script cannot tell from a crash.
+
+Design decisions:
+- **Translate Hydra's errors where Hydra reports them, rather than compose a second time up front.**
+  `install()` wraps `hydra._internal.utils.run_and_report`, the function through which `@hydra.main`
+  runs every composition (the run, the multirun's master config, `--cfg`). A composition error is
+  printed as one line and the process exits 2; everything else goes to Hydra's own report
+  unchanged. The alternative — composing once with `hydra.compose` before `@hydra.main` — would
+  need its own reading of the command line (flags, `--config-dir`, sweep syntax that only a
+  sweeper understands) and would compose every run twice, for the same errors. The price is one
+  private name of Hydra (pinned `<1.4` in pyproject.toml); if it ever moves, `install` leaves
+  Hydra alone and its own report comes back (tests/test_reliability_bad_input.py would say so).
+- The jobs of a multirun are composed later, per job, so the multirun callback composes them up
+  front (`harness.callbacks.validate_jobs`; the Optuna sweeper's `check_jobs` hook) and hands
+  their errors to `exit_if_composition_error` too.
+- `describe` reads what Hydra and OmegaConf attach to the error (the override's text, the node's
+  type, a group's options) and otherwise keeps Hydra's words on one line. It only answers for
+  composition errors (Hydra's ConfigCompositionException and OverrideParseException, or an error
+  of Hydra's caused by one), never for a job's own exception: a bug must keep its traceback.
+- `HYDRA_FULL_ERROR=1` still gives Hydra's full traceback, for debugging.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from typing import Any, Iterable
+
+from hydra.errors import CompactHydraException, ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.nodes import BooleanNode, BytesNode, EnumNode, FloatNode, IntegerNode, PathNode, StringNode
+
+GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic"
+
+
+def install() -> None:
+    """Make `@hydra.main` print composition errors as one line and exit 2 (idempotent)."""
+    try:
+        import hydra._internal.utils as hydra_utils
+
+        original = hydra_utils.run_and_report
+    except (ImportError, AttributeError):  # another Hydra: its own report stays
+        return
+    if getattr(original, "one_line_composition_errors", False):
+        return
+
+    def run_and_report(func: Any) -> Any:
+        def guarded() -> Any:
+            try:
+                return func()
+            except Exception as error:
+                exit_if_composition_error(error)
+                raise
+
+        return original(guarded)
+
+    run_and_report.one_line_composition_errors = True  # type: ignore[attr-defined]
+    hydra_utils.run_and_report = run_and_report
+
+
+def exit_if_composition_error(error: BaseException) -> None:
+    """Print `error: <line>` and exit 2 if `error` is a composition error; else return."""
+    line = None if os.environ.get("HYDRA_FULL_ERROR") == "1" else describe(error)
+    if line is not None:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def is_composition_error(error: BaseException | None) -> bool:
+    return isinstance(error, (ConfigCompositionException, OverrideParseException))
+
+
+def describe(error: BaseException) -> str | None:
+    """`<key>=<value>: <what is wrong>; allowed: <...>` for a composition error, else None."""
+    if isinstance(error, OverrideParseException):
+        reason = _first_line(error.message)
+        return f"{error.override}: not a valid override ({reason}); allowed: key=value, +key=value, " \
+               f"++key=value, ~key, group=option ({GRAMMAR})"
+    if isinstance(error, MissingConfigException):
+        return _missing_option(error)
+    if isinstance(error, ConfigCompositionException):
+        return _composition(error)
+    if isinstance(error, CompactHydraException) and is_composition_error(error.__cause__):
+        return describe(error.__cause__)  # e.g. the Optuna sweeper's check that every cell composes
+    return None
+
+
+def unknown_key(full_key: str, value: Any, allowed: Iterable[str], override: str | None = None) -> str:
+    """The line for a key the schema does not have, naming its section and close matches."""
+    section, _, key = full_key.rpartition(".")
+    allowed = [str(k) for k in allowed]
+    close = difflib.get_close_matches(key, allowed, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    where = section or "the config"
+    return f"{override or f'{full_key}={value}'}: {where} has no key {key!r}{hint}; allowed: {', '.join(allowed)}"
+
+
+def _composition(error: ConfigCompositionException) -> str:
+    text = str(error)
+    first = _first_line(text)
+    cause = error.__cause__
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        keys = list(cause.parent_node.keys()) if isinstance(cause.parent_node, DictConfig) else []
+        appended = _match(r"To append to your config use \+(.+)$", text)
+        return unknown_key(str(cause.full_key), "?", keys, appended)
+    if isinstance(cause, ValidationError) and cause.full_key:
+        override = _match(r"^Error merging override (.+)$", first) or f"{cause.full_key}={cause.value}"
+        return _wrong_value(override, cause)
+    if m := re.match(r"(?:In '.*': )?Could not override '(.+?)'\.", first):
+        key = m.group(1)
+        override = _match(r"use \+(.+)$", text) or key
+        suggestion = _match(r"Did you mean to override (.+)\?", text)
+        if suggestion:
+            return f"{override}: {key} is not a config group of this config; allowed: {suggestion}"
+        return f"{override}: {key} is not in the defaults list, so it cannot be overridden; " \
+               f"allowed: +{override} (adds it)"
+    if m := re.match(r"Could not append to config\. An item is already at '(.+?)'", first):
+        key, plain = m.group(1), _match(r"Either remove \+ prefix: '(.+)'", text) or m.group(1)
+        return f"+{plain}: {key} already exists and + only adds new keys; allowed: {plain} (overrides it) " \
+               f"or ++{plain} (adds or overrides)"
+    if m := re.match(r"Multiple values for (.+?)\. To override a value use 'override .+?: (.+)'", first):
+        key, option = m.groups()
+        return f"+{key}={option}: {key} is already in the defaults list and + adds a second one; " \
+               f"allowed: {key}={option} (replaces the default)"
+    if m := re.match(r"Ambiguous value for argument '(.+)'", first) or re.match(
+            r"Sweep parameters '(.+)' requires --multirun", first):
+        override = m.group(1)
+        return f"{override}: a sweep needs a multirun; allowed: python run.py -m {override} (one job per value), " \
+               f"a list key=[a,b], a quoted string key='a,b'"
+    if m := re.match(r"Could not delete from config\. '(.+?)' does not exist", first):
+        return f"~{m.group(1)}: there is nothing at {m.group(1)} to delete; allowed: ~<an existing key>"
+    return " ".join(line.strip() for line in _without_search_path(text).splitlines() if line.strip())
+
+
+def _missing_option(error: MissingConfigException) -> str:
+    path = error.missing_cfg_file or ""
+    if not error.options or "/" not in path:  # e.g. a primary config (--config-name) that is not there
+        return " ".join(line.strip() for line in _without_search_path(str(error)).splitlines() if line.strip())
+    group, option = path.rsplit("/", 1)
+    options = list(error.options)
+    close = difflib.get_close_matches(option, options, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return f"{group}={option}: no option {option!r} in group {group}{hint}; allowed: {', '.join(options)}"
+
+
+def _wrong_value(override: str, cause: ValidationError) -> str:
+    node = cause.child_node
+    kind, allowed = _expected(node)
+    optional = node is not None and node._is_optional()
+    if cause.value is None and not optional:
+        problem = "null is not allowed"
+    elif kind:
+        problem = f"not {kind}"
+    else:
+        problem = " ".join(_first_line(cause.msg).split())
+    if override.lstrip("+~").split("=", 1)[0] != cause.full_key:  # a mapping set a whole section
+        problem = f"{cause.full_key} is {problem}" if problem.startswith("not") else f"{cause.full_key}: {problem}"
+    return f"{override}: {problem}; allowed: {allowed or 'a value of the field type'}{' or null' if optional else ''}"
+
+
+def _expected(node: Any) -> tuple[str | None, str | None]:
+    """(what the field is, the values it takes) from the schema's node for the field."""
+    if isinstance(node, EnumNode):
+        return "one of the choices", ", ".join(member.name for member in node.enum_type)
+    kinds = [(BooleanNode, "a boolean", "true, false"), (IntegerNode, "an integer", "an integer"),
+             (FloatNode, "a number", "a number"), (StringNode, "a string", "a string"),
+             (PathNode, "a path", "a path"), (BytesNode, "bytes", "bytes"),
+             (ListConfig, "a list", "a list [a,b,...]"), (DictConfig, "a mapping", "a mapping {key: value}")]
+    return next(((noun, values) for cls, noun, values in kinds if isinstance(node, cls)), (None, None))
+
+
+def _without_search_path(text: str) -> str:
+    return text.split("Config search path:")[0]
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def _match(pattern: str, text: str) -> str | None:
+    m = re.search(pattern, text, re.MULTILINE)
+    return m.group(1).strip() if m else None

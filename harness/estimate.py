@@ -1,0 +1,329 @@
+"""What a sweep costs, from the model's own FLOPs accounting: `python -m harness.estimate ARGS`.
+
+    python -m harness.estimate +sweep=ablation_gpu data=shards data.path=data/fineweb10B
+    python -m harness.estimate +sweep=scaling_gpu --mfu 0.35 --json scaling_cost.json
+
+ARGS are those of `python run.py -m ARGS` (a `-m` is accepted and ignored, so a command line can be
+pasted) plus the options below. It prints one row per job (variant, model, parameters, tokens,
+training FLOPs, GPU-hours) and the totals: FLOPs, PFLOP/s-days and GPU-hours at an assumed peak
+and model FLOPs utilisation (MFU). Nothing is trained or written (except --json).
+
+Design decisions:
+- **The jobs are the multirun's own.** The master config is composed in multirun mode, as
+  `run.py -m` composes it, and expanded by the code the multirun itself runs before its first job
+  (harness.callbacks.job_configs: Hydra's BasicSweeper.split_arguments over hydra.sweeper.params
+  plus the command line, then load_sweep_config per job). Every job then goes through
+  harness.config.validate, so steps, tokens and FLOPs are the ones that job would train
+  (count.train_steps / train_tokens / train_flops, with the budget priority steps > flops >
+  tokens_per_param > tokens), and a job whose config the multirun would refuse is refused here, with
+  its line. The data is not read (the vocabulary is config), so the corpus need not exist yet.
+  A formula of our own would drift from what runs.
+- **FLOPs are the model's** (DecoderLM.flops_per_token, already training FLOPs: forward + backward
+  = 3 × forward): 6 × the matmul weights (sublayers and LM head), attention's QKᵀ and AV over the
+  full T×T square (12·T·d per block and token: PaLM's MFU convention, so MFUs quoted that way
+  apply), and the residual's mixing. Not counted: evaluation and instrumentation forwards (well
+  under 1% at the GPU settings), norms, softmax and elementwise work, the optimizer step (Muon's
+  Newton-Schulz iterations included). Everything not counted is what the MFU absorbs.
+- **The Optuna sweeper** (`+sweep=lr`): one study per grid cell with hydra.sweeper.n_trials trials
+  (the grid sampler: at most the grid's size). A trial's FLOPs are taken at every corner of the
+  search space and the largest kept, so a searched key that changes the model or the budget is
+  still bounded; the total is an upper bound because pruned trials stop early.
+- GPU-hours = FLOPs / (peak × MFU) / 3600. The default peak is the dense (no sparsity) bf16
+  tensor-core peak of one H100/H200 SXM, 989 TFLOP/s; MFU 0.40 is typical of a well-tuned
+  single-GPU run of a model this size, not a measurement of this code.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.config import ConfigError, RunSpec, register, validate
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+H100_BF16_DENSE_TFLOPS = 989.0
+DEFAULT_MFU = 0.40
+SECONDS_PER_DAY = 86_400
+PFLOPS_DAY = 1e15 * SECONDS_PER_DAY  # FLOPs of one PFLOP/s sustained for a day
+
+
+class EstimateError(ValueError):
+    """Arguments or a sweep the estimate cannot expand; one line."""
+
+
+@dataclass
+class Job:
+    """One run of the sweep (or, for an Optuna study, each of its `trials` runs)."""
+
+    label: str  # the job's sweep overrides (those that differ between jobs)
+    variant: str
+    model: str
+    params: int
+    params_non_embedding: int
+    steps: int
+    tokens_per_step: int
+    flops_per_token: int  # training FLOPs per token (forward + backward)
+    train_flops: int  # steps × tokens_per_step × flops_per_token: one run
+    trials: int = 1
+    upper_bound: bool = False  # an Optuna study: pruned trials stop early
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    @property
+    def total_flops(self) -> int:
+        return self.trials * self.train_flops
+
+
+def pflops_days(flops: float) -> float:
+    return flops / PFLOPS_DAY
+
+
+def gpu_hours(flops: float, peak_tflops: float = H100_BF16_DENSE_TFLOPS, mfu: float = DEFAULT_MFU) -> float:
+    """Hours of one GPU sustaining `mfu` of its `peak_tflops` to compute `flops`."""
+    return flops / (peak_tflops * 1e12 * mfu) / 3600
+
+
+# --------------------------------------------------------------------------------------------
+# Expanding a sweep into its jobs
+# --------------------------------------------------------------------------------------------
+def _one_line(error: BaseException) -> str:
+    """A composition error as run.py words it (harness.composition_errors); any other of Hydra's
+    on one line, with its cause (which names the value and the type), without the search path."""
+    try:
+        from harness.composition_errors import describe
+
+        line = describe(error)
+    except ImportError:
+        line = None
+    if line:
+        return line
+    text = str(error)
+    if error.__cause__ is not None and str(error.__cause__) not in text:
+        text = f"{text}: {error.__cause__}"
+    text = text.split("Config search path:")[0]
+    return " ".join(text.split()) or type(error).__name__
+
+
+def _job(spec: RunSpec, label: str, trials: int = 1, upper_bound: bool = False) -> Job:
+    c = spec.counts
+    return Job(
+        label=label, variant=spec.cfg.residual.name, model=spec.cfg.model.name,
+        params=int(c["count.params_total"]), params_non_embedding=int(c["count.params_non_embedding"]),
+        steps=int(c["count.train_steps"]), tokens_per_step=spec.tokens_per_step,
+        flops_per_token=int(c["count.flops_per_token"]), train_flops=int(c["count.train_flops"]),
+        trials=trials, upper_bound=upper_bound,
+    )
+
+
+def _validate(job_cfg: DictConfig, where: str) -> RunSpec:
+    from harness.callbacks import _without_hydra
+
+    try:
+        return validate(_without_hydra(job_cfg))
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _varying(overrides: list[list[str]]) -> list[str]:
+    """Keys whose value differs between jobs: what names a job in the table."""
+    values: dict[str, set[str]] = {}
+    for job in overrides:
+        for line in job:
+            key, _, value = line.partition("=")
+            values.setdefault(key, set()).add(value)
+    return [k for k, v in values.items() if len(v) > 1]
+
+
+def _label(overrides: Sequence[str], keys: list[str]) -> str:
+    return " ".join(o for o in overrides if o.partition("=")[0] in keys)
+
+
+def _basic_jobs(master: DictConfig) -> list[Job]:
+    from harness.callbacks import job_configs
+
+    jobs = job_configs(master)
+    keys = _varying([o for o, _ in jobs])
+    return [
+        _job(_validate(cfg, f"job {i} ({' '.join(o) or 'no overrides'})"), _label(o, keys))
+        for i, (o, cfg) in enumerate(jobs)
+    ]
+
+
+def _corners(dimension: Any) -> list[str]:
+    """The overrides at the ends of one searched key (every choice of a categorical)."""
+    from optuna.distributions import CategoricalDistribution
+
+    d = dimension.distribution
+    values = list(d.choices) if isinstance(d, CategoricalDistribution) else [d.low, d.high]
+    return [dimension.override(v) for v in values]
+
+
+def _optuna_jobs(master: DictConfig) -> list[Job]:
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.attnres_optuna_sweeper._space import build_plan
+    from hydra_plugins.attnres_optuna_sweeper._strategy import grid_size
+
+    loader = GlobalHydra.instance().config_loader()
+    settings = master.hydra.sweeper
+    plan = build_plan(list(master.hydra.overrides.task),
+                      OmegaConf.to_container(settings.params, resolve=False) or {},
+                      OverridesParser.create(config_loader=loader))
+    n_trials = int(settings.n_trials)
+    if settings.sampler.name == "grid":
+        n_trials = min(n_trials, grid_size(plan.dimensions))
+    corners = list(itertools.product(*(_corners(d) for d in plan.dimensions)))
+    jobs = []
+    for cell in plan.cells:
+        where = f"study {' '.join(cell.labels) or '(one cell)'}"
+        specs = [_validate(loader.load_sweep_config(master, [*plan.fixed, *cell.overrides, *corner]), where)
+                 for corner in corners]
+        largest = max(specs, key=lambda s: s.counts["count.train_flops"])
+        jobs.append(_job(largest, " ".join(cell.labels), trials=n_trials, upper_bound=True))
+    return jobs
+
+
+def expand(overrides: Sequence[str]) -> list[Job]:
+    """Every job `python run.py -m OVERRIDES` would launch, validated, with its FLOPs."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="run"):
+        try:
+            master = GlobalHydra.instance().hydra.compose_config(
+                "config", overrides=list(overrides), run_mode=RunMode.MULTIRUN)
+        except Exception as error:  # Hydra's composition errors: a bad key, group option or syntax
+            raise EstimateError(_one_line(error)) from None
+        target = str(OmegaConf.select(master, "hydra.sweeper._target_") or "")
+        try:
+            if target.endswith("BasicSweeper"):
+                return _basic_jobs(master)
+            if target.endswith("AttnresOptunaSweeper"):
+                return _optuna_jobs(master)
+        except ConfigError:
+            raise
+        except Exception as error:  # composing one job's overrides (a bad comma-list value)
+            raise EstimateError(_one_line(error)) from None
+    raise EstimateError(f"hydra.sweeper._target_={target!r}: the estimate knows Hydra's basic sweeper "
+                        "and attnres_optuna; allowed: hydra/sweeper=basic, hydra/sweeper=attnres_optuna")
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+def summary(jobs: list[Job], peak_tflops: float, mfu: float) -> dict[str, Any]:
+    flops = sum(j.total_flops for j in jobs)
+    return {
+        "jobs": sum(j.trials for j in jobs),
+        "upper_bound": any(j.upper_bound for j in jobs),
+        "train_flops": flops,
+        "pflops_days": pflops_days(flops),
+        "gpu_hours": gpu_hours(flops, peak_tflops, mfu),
+        "peak_tflops": peak_tflops,
+        "mfu": mfu,
+    }
+
+
+def _si(value: float, unit: str = "") -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "B" if unit == "tok" else "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:.3g}{prefix}"
+    return f"{value:.3g}"
+
+
+def _amount(value: float) -> str:
+    """Hours and days: whole numbers once large, three significant digits below (a CPU sweep)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def table(jobs: list[Job], peak_tflops: float, mfu: float) -> str:
+    head = ["job", "variant", "model", "params", "non-emb", "steps", "tokens", "FLOPs/token",
+            "train FLOPs", "trials", "GPU-h"]
+    rows = [[j.label or "-", j.variant, j.model, _si(j.params), _si(j.params_non_embedding), str(j.steps),
+             _si(j.tokens, "tok"), f"{j.flops_per_token:.3e}",
+             f"{'≤' if j.upper_bound else ''}{j.total_flops:.3e}", str(j.trials),
+             _amount(gpu_hours(j.total_flops, peak_tflops, mfu))] for j in jobs]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def totals_text(s: dict[str, Any]) -> str:
+    at_most = "at most " if s["upper_bound"] else ""
+    return (f"{s['jobs']} job{'' if s['jobs'] == 1 else 's'}, {at_most}{s['train_flops']:.4e} training FLOPs = "
+            f"{_amount(s['pflops_days'])} PFLOP/s-days = {_amount(s['gpu_hours'])} GPU-hours "
+            f"({_amount(s['gpu_hours'] / 24)} GPU-days) at MFU {s['mfu']:g} of {s['peak_tflops']:g} TFLOP/s")
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, not usage + message
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="python -m harness.estimate",
+                description="Jobs, training FLOPs and GPU-hours of `python run.py -m ARGS`.")
+    p.add_argument("overrides", nargs="*", help="run.py's Hydra overrides, e.g. +sweep=ablation_gpu")
+    p.add_argument("-m", "--multirun", action="store_true", help="ignored (run.py's flag)")
+    p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
+                   help="dense bf16 peak of one GPU in TFLOP/s (default: H100/H200 SXM, 989)")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation (default 0.40)")
+    p.add_argument("--json", metavar="PATH", help="also write the jobs and totals as JSON")
+    args = p.parse_intermixed_args(argv)
+    if not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        p.error(f"--peak-tflops={args.peak_tflops} must be a positive number of TFLOP/s")
+    if not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
+        p.error(f"--mfu={args.mfu} must lie in (0, 1]")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        jobs = expand(args.overrides)
+    except (ConfigError, EstimateError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    totals = summary(jobs, args.peak_tflops, args.mfu)
+    print(table(jobs, args.peak_tflops, args.mfu))
+    print(totals_text(totals))
+    if args.json:
+        document = {
+            "arguments": list(args.overrides),
+            "flops": "DecoderLM.flops_per_token: training (3 × forward) matmul + full-square attention "
+                     "+ residual mixing; no eval, norms, elementwise or optimizer FLOPs",
+            "jobs": [{**asdict(j), "tokens": j.tokens, "total_flops": j.total_flops,
+                      "gpu_hours": gpu_hours(j.total_flops, args.peak_tflops, args.mfu)} for j in jobs],
+            "totals": totals,
+        }
+        try:
+            Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+        except OSError as error:
+            print(f"error: --json={args.json}: cannot write ({error.strerror}); allowed: a writable file path",
+                  file=sys.stderr, flush=True)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The multi-hop probe section and the 'what it would take to tell' power analysis of the report
+(analysis/sections.py, analysis/ablation.py), on hand-made run frames."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from analysis import ablation as abl
+from analysis import sections as sec
+
+
+def test_seeds_needed_matches_the_normal_approximation_by_hand():
+    # z_0.975 + z_0.80 = 1.959964 + 0.841621 = 2.801585; 2·(2.801585·0.02/0.01)² = 62.79 → 63
+    assert abl.seeds_needed(0.02, 0.01) == 63
+    assert abl.seeds_needed(0.02, -0.01) == 63  # the sign of Δ does not matter
+    assert abl.seeds_needed(0.001, 1.0) == 2  # never fewer than 2
+    assert np.isnan(abl.seeds_needed(0.01, 0.0)) and np.isnan(abl.seeds_needed(np.nan, 0.1))
+
+
+def test_pooled_seed_sd_pools_within_variant_scatter_only():
+    runs = pd.DataFrame({"variant": ["a", "a", "a", "b", "b", "c"],
+                         "final_val_loss": [1.0, 1.2, 1.4, 5.0, 5.4, 9.0]})
+    sigma, dof = abl.pooled_seed_sd(runs)
+    # a: SS = 0.08, 2 dof; b: SS = 0.08, 1 dof; c: one seed, ignored. √(0.16/3)
+    assert dof == 3
+    assert sigma == pytest.approx(np.sqrt(0.16 / 3), rel=1e-12)
+
+
+def _probe_runs(gain: float, seeds: int = 3) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    rows = []
+    for v, g in (("baseline", 0.0), ("block", gain), ("mhc", 0.0)):
+        for s in range(seeds):
+            accs = {f"probe_acc_hop_{k}": min(1.0, 0.9 / k + g * k + 0.01 * rng.standard_normal())
+                    for k in (1, 2, 3, 4)}
+            rows.append({"variant": v, "seed": s, "run_id": f"{v}{s}", **accs})
+    return pd.DataFrame(rows)
+
+
+def test_multihop_section_tabulates_each_hop_and_judges_against_the_baseline(tmp_path):
+    runs = _probe_runs(gain=0.05)
+    section = sec.multihop_section(runs, tmp_path)
+    table = pd.read_csv(tmp_path / "tables" / "multihop_probe.csv")
+    block = table.set_index("variant").loc["block"]
+    vals = runs[runs.variant == "block"]["probe_acc_hop_3"].to_numpy()
+    half = stats.t.ppf(0.975, 2) * vals.std(ddof=1) / np.sqrt(3)
+    assert block["hop 3"] == pytest.approx(vals.mean(), abs=1e-6)  # CSV keeps 6 significant digits
+    assert block["hop 3 ±"] == pytest.approx(half, rel=1e-4)
+    verdicts = {c.claim: c.verdict for c in section.claims}
+    assert verdicts["block answers multi-hop chains better than the baseline (mean over hop counts)"] == "agrees"
+    assert verdicts["block answers multi-hop chains better than the baseline (at 4 hops)"] == "agrees"
+    assert verdicts["mhc answers multi-hop chains better than the baseline (mean over hop counts)"] == "inconclusive"
+    assert (tmp_path / "figures" / "multihop_probe.png").stat().st_size > 10_000
+    assert "| block | 3 |" in section.text
+
+
+def test_multihop_section_says_worse_when_it_is_worse(tmp_path):
+    section = sec.multihop_section(_probe_runs(gain=-0.05), tmp_path)
+    verdicts = {c.claim: c.verdict for c in section.claims}
+    assert verdicts["block answers multi-hop chains better than the baseline (mean over hop counts)"] == "does not agree"
+
+
+def test_multihop_section_without_probe_runs_is_not_tested(tmp_path):
+    runs = pd.DataFrame({"variant": ["baseline"], "seed": [0], "run_id": ["x"]})
+    section = sec.multihop_section(runs, tmp_path)
+    assert [c.verdict for c in section.claims] == ["not tested"]
