@@ -118,7 +118,11 @@ def _summary(sections) -> str:
     n = df["Verdict"].value_counts()
     head = (f"Of {len(df)} checks, {n.get('agrees', 0)} agree with the paper, "
             f"{n.get('does not agree', 0)} do not, {n.get('inconclusive', 0)} are inconclusive at "
-            f"our run count and {n.get('not tested', 0)} could not be tested with these runs.\n\n")
+            f"our run count and {n.get('not tested', 0)} could not be tested with these runs. "
+            "*Inconclusive* means our 95% interval admits both directions: more seeds or a larger "
+            "scale could settle it (the ablation section says how many seeds a difference of the "
+            "paper's size needs at our noise level); *does not agree* means our runs show the "
+            "opposite at that level, at our scale.\n\n")
     return head + abl.to_markdown(df)
 
 

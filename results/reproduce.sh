@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce results/ on a 2-core CPU: the paper's experiments at micro scale (issue 8).
 #
-#   bash results/reproduce.sh          # about 1.5 hours on an idle 2-core machine
+#   bash results/reproduce.sh          # 115 runs; 1 h 44 min here on a 2-core machine shared with other work
 #
 # Resumable: a study that is interrupted (Ctrl-C, a reboot, kill -9) is continued by running the
 # same command again. Every job's folder is keyed by its resolved config (harness/checkpoint.py), so

@@ -56,6 +56,15 @@ def test_multihop_section_tabulates_each_hop_and_judges_against_the_baseline(tmp
     assert "| block | 3 |" in section.text
 
 
+def test_multihop_section_says_so_when_every_run_is_at_chance(tmp_path):
+    runs = _probe_runs(gain=0.0)
+    assert "near chance" not in sec.multihop_section(runs, tmp_path).text  # 1-hop ≈ 0.9: learned
+    cols = [c for c in runs.columns if c.startswith("probe_acc_hop_")]
+    for c in cols:
+        runs[c] = 0.1 + 0.01 * np.arange(len(runs)) / len(runs)
+    assert "Every run is near chance even at 1 hop" in sec.multihop_section(runs, tmp_path).text
+
+
 def test_multihop_section_says_worse_when_it_is_worse(tmp_path):
     section = sec.multihop_section(_probe_runs(gain=-0.05), tmp_path)
     verdicts = {c.claim: c.verdict for c in section.claims}
