@@ -2,8 +2,9 @@
 
 Which runs feed which section is decided by the sweep name (``sweep.name``, one MLflow experiment
 per sweep), the names of the harness's ready sweeps: ``ablation`` (Table 4), ``block_size``
-(Fig. 6), ``scaling`` (Fig. 4), ``arch`` (Fig. 7) and ``multihop`` (the multi-hop probe). A
-sweep whose name starts with one of these
+(Fig. 6), ``scaling`` (Fig. 4), ``arch`` (Fig. 7), ``multihop`` (the multi-hop probe) and
+``tuned_lr`` (Table 4 at each variant's best learning rate). A sweep whose name starts with one
+of these
 (``scaling_gpu``) goes to that section; ``--role SWEEP=SECTION`` assigns any other. Runs of no
 known sweep (ad-hoc runs, ``python run.py -m residual=...``) still get an ablation-style table
 when there is no ablation sweep, restricted to the model configuration with the most runs so the
@@ -31,7 +32,7 @@ from . import sections as sec
 from .paper import load_paper
 from .runs import RunSet
 
-ROLES = ("ablation", "block_size", "scaling", "arch", "multihop")
+ROLES = ("ablation", "block_size", "scaling", "arch", "multihop", "tuned_lr")
 
 
 @dataclass
@@ -141,6 +142,8 @@ def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path
 
     jobs = [
         ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note)),
+        ("Ablation at each variant's tuned learning rate", lambda: sec.tuned_lr_section(
+            fin[fin["section"] == "tuned_lr"], abl_runs, paper, out)),
         ("Block size (paper Fig. 6)", lambda: sec.block_size_section(
             fin[fin["section"] == "block_size"], paper, out)),
         ("Scaling (paper Fig. 4 and Table 2)", lambda: sec.scaling_section(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce results/ on a 2-core CPU: the paper's experiments at micro scale (issue 8).
 #
-#   bash results/reproduce.sh          # 115 runs; 1 h 44 min here on a 2-core machine shared with other work
+#   bash results/reproduce.sh          # 141 runs; about 2 hours here on a 2-core machine shared with other work
 #
 # Resumable: a study that is interrupted (Ctrl-C, a reboot, kill -9) is continued by running the
 # same command again. Every job's folder is keyed by its resolved config (harness/checkpoint.py), so
@@ -19,15 +19,20 @@ export MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/study/mlflow.d
 common=(train.threads=1 train.progress=false train.checkpoint_dir="$PWD/study/checkpoints"
         hydra.sweep.dir="study/multirun/\${sweep.name}")
 status=0
+# The learning-rate grid's variants, split over the two lanes.
+LR_A=baseline,denseformer,hc,mhc,full,full_input_query,full_scalar
+LR_B=full_sigmoid,full_no_rmsnorm,sliding_window,block,block_multihead,block_no_rmsnorm
 
 lane_a() {
   python run.py -m +sweep=ablation "${common[@]}" || return 1   # Table 4: 13 variants x 3 seeds
   python run.py -m +sweep=multihop "${common[@]}" || return 1   # multi-hop probe: 4 variants x 2 seeds
+  python run.py -m +sweep=tuned_lr residual="$LR_A" "${common[@]}" || return 1   # Table 4 at lr 1e-3, 1e-2
 }
 lane_b() {
   python run.py -m +sweep=block_size "${common[@]}" || return 1 # Fig. 6: S = 1…32 and the baseline x 2 seeds
   python run.py -m +sweep=scaling "${common[@]}" || return 1    # Fig. 4: 4 sizes x 3 variants x 2 seeds
   python run.py -m +sweep=arch "${common[@]}" || return 1       # Fig. 7: 5 x 3 shapes x baseline/block
+  python run.py -m +sweep=tuned_lr residual="$LR_B" "${common[@]}" || return 1
 }
 lane_a >> study/lane_a.log 2>&1 & a=$!
 lane_b >> study/lane_b.log 2>&1 & b=$!

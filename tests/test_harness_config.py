@@ -61,7 +61,7 @@ def test_bad_values_are_one_config_error_line(overrides, message):
 
 @pytest.mark.parametrize("name,jobs", [
     ("ablation", 39), ("ablation_gpu", 39), ("block_size", 14), ("block_size_gpu", 14), ("scaling", 24),
-    ("scaling_gpu", 15), ("arch", 30), ("arch_gpu", 50), ("multihop", 8),
+    ("scaling_gpu", 15), ("arch", 30), ("arch_gpu", 50), ("multihop", 8), ("tuned_lr", 26),
 ])
 def test_every_job_of_every_sweep_validates(name, jobs):
     found = sweep_jobs([f"+sweep={name}"])

@@ -1,4 +1,5 @@
-"""The multi-hop probe section and the 'what it would take to tell' power analysis of the report
+"""Sections of the report added for the reference study: the multi-hop probe, the ablation at tuned
+learning rates, and the "what it would take to tell" power analysis
 (analysis/sections.py, analysis/ablation.py), on hand-made run frames."""
 from __future__ import annotations
 
@@ -75,3 +76,33 @@ def test_multihop_section_without_probe_runs_is_not_tested(tmp_path):
     runs = pd.DataFrame({"variant": ["baseline"], "seed": [0], "run_id": ["x"]})
     section = sec.multihop_section(runs, tmp_path)
     assert [c.verdict for c in section.claims] == ["not tested"]
+
+
+def test_tuned_lr_table_takes_each_variants_best_grid_point_and_judges_with_seed_noise(tmp_path):
+    from analysis.paper import load_paper
+
+    rows = []
+    for v, best_lr, best in (("baseline", 3e-3, 2.0), ("block", 1e-2, 1.7), ("full", 1e-3, 1.98)):
+        for lr in (1e-3, 3e-3, 1e-2):
+            loss = best if lr == best_lr else best + 0.3
+            sweep = "ablation" if lr == 3e-3 else "tuned_lr"
+            rows.append({"variant": v, "seed": 0, "lr": lr, "final_val_loss": loss, "sweep": sweep})
+    # Two more ablation seeds give the pooled noise: σ = 0.01 for every variant.
+    for v in ("baseline", "block", "full"):
+        base = next(r["final_val_loss"] for r in rows if r["variant"] == v and r["lr"] == 3e-3)
+        rows += [{"variant": v, "seed": s, "lr": 3e-3, "final_val_loss": base + d, "sweep": "ablation"}
+                 for s, d in ((1, 0.01), (2, -0.01))]
+    runs = pd.DataFrame(rows)
+    tuned, ablation = runs[runs.sweep == "tuned_lr"], runs[runs.sweep == "ablation"]
+    section = sec.tuned_lr_section(tuned, ablation, load_paper(None), tmp_path)
+    t = pd.read_csv(tmp_path / "tables" / "table4_tuned_lr.csv").set_index("variant")
+    assert t.loc["block", "best_lr"] == pytest.approx(1e-2) and bool(t.loc["block", "at_edge"])
+    assert t.loc["baseline", "best_lr"] == pytest.approx(3e-3) and not bool(t.loc["baseline", "at_edge"])
+    assert t.loc["block", "loss"] == pytest.approx(1.7) and t.loc["block", "lrs"] == "0.001 0.003 0.01"
+    # seed-0 ablation runs only: the other seeds must not compete for the best point
+    assert t.loc["full", "loss"] == pytest.approx(1.98)
+    half = stats.t.ppf(0.975, 6) * 0.01 * np.sqrt(2)  # 3 variants × 2 dof, σ = 0.01
+    verdicts = {c.claim: (c.ours, c.verdict) for c in section.claims}
+    ours, verdict = verdicts["Block AttnRes beats the baseline, each at its tuned learning rate"]
+    assert verdict == "agrees" and f"± {half:.4f}" in ours
+    assert verdicts["Full AttnRes beats the baseline, each at its tuned learning rate"][1] == "inconclusive"
