@@ -31,7 +31,8 @@ from urllib.parse import urlparse
 import numpy as np
 import pandas as pd
 
-PFLOPS_DAY = 8.64e19  # FLOPs in one PFLOP/s-day (1e15 FLOP/s × 86,400 s)
+from .scaling import PFLOPS_DAY
+
 HISTORY_KEYS = ("val/loss", "val/loss_by_tokens", "train/loss")
 NOT_TRAINING_ROLES = {"parent", "study"}
 

@@ -46,6 +46,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness.composition_errors import describe
 from harness.config import ConfigError, RunSpec, register, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -99,12 +100,7 @@ def gpu_hours(flops: float, peak_tflops: float = H100_BF16_DENSE_TFLOPS, mfu: fl
 def _one_line(error: BaseException) -> str:
     """A composition error as run.py words it (harness.composition_errors); any other of Hydra's
     on one line, with its cause (which names the value and the type), without the search path."""
-    try:
-        from harness.composition_errors import describe
-
-        line = describe(error)
-    except ImportError:
-        line = None
+    line = describe(error)
     if line:
         return line
     text = str(error)
