@@ -1,6 +1,8 @@
 """The fused depth-read kernels and the read schedules against the PyTorch reference (CPU).
 
-The Triton kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set here for
+Two fused implementations are tested, one math: the C kernels of the CPU path
+(attnres/kernels/csrc/depth_read.c, built with the system C compiler on first use) and the Triton
+kernels. The Triton kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set here for
 the test process; the kernels module is imported lazily, on the first kernel call, and avoids
 Triton's standard-library jit functions, so it works even if torch imported Triton first). Shapes
 are small because the interpreter executes every program in numpy. On a GPU,
@@ -22,6 +24,9 @@ from attnres import DecoderLM, ModelConfig, ResidualConfig, build_residual, dept
 
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
 TOL = dict(rtol=1e-4, atol=1e-4)
+# The fused backends. "cpu" is not skipped where the C kernels cannot be built: they are the CPU
+# default, so such a machine fails these tests with the compiler's reason.
+FUSED = [pytest.param("triton", marks=needs_triton), "cpu"]
 
 
 @pytest.fixture
@@ -44,12 +49,13 @@ def _sources(n, shape, seed, dtype=torch.float32):
 
 # --- one read: the kernel against depth_read ------------------------------------------------------
 
-@needs_triton
+@pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("normaliser", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("heads,d", [(1, 32), (4, 32), (1, 24), (4, 24)])  # 24: masked, non-power-of-2 widths
-def test_kernel_read_and_gradients_match_reference(key_norm, normaliser, per_token, heads, d):
+def test_kernel_read_and_gradients_match_reference(path, backend, key_norm, normaliser, per_token, heads, d):
+    path(backend)
     shape = (2, 7, d)
     srcs = _sources(5, shape, seed=heads + d)
     g = torch.Generator().manual_seed(1)
@@ -70,8 +76,9 @@ def test_kernel_read_and_gradients_match_reference(key_norm, normaliser, per_tok
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"gradient of the {name}: {m}")
 
 
-@needs_triton
-def test_kernel_single_source_and_long_source_list():
+@pytest.mark.parametrize("backend", FUSED)
+def test_kernel_single_source_and_long_source_list(path, backend):
+    path(backend)
     for n in (1, 13):
         srcs = _sources(n, (3, 5, 16), seed=n)
         q = torch.randn(16, generator=torch.Generator().manual_seed(n))
@@ -80,9 +87,10 @@ def test_kernel_single_source_and_long_source_list():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_low_precision_inputs_accumulate_in_fp32(dtype):
+def test_kernel_low_precision_inputs_accumulate_in_fp32(path, dtype):
     """bf16/fp16 storage, fp32 arithmetic: the result is the fp32 read of the rounded inputs,
-    rounded once at the end."""
+    rounded once at the end (the Triton kernels; the C kernels read fp32 only)."""
+    path("triton")
     srcs = _sources(6, (2, 9, 32), seed=3, dtype=dtype)
     q = torch.randn(32, generator=torch.Generator().manual_seed(4))
     got = kernels.fused_depth_read(q, srcs)
@@ -93,13 +101,15 @@ def test_kernel_low_precision_inputs_accumulate_in_fp32(dtype):
     assert all(s.grad is not None and s.grad.dtype == dtype for s in srcs)
 
 
-@needs_triton
+@pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("normaliser", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("heads", [1, 2])
-def test_kernel_multi_reader_phase_one_and_merge_equal_one_read(normaliser, heads):
+def test_kernel_multi_reader_phase_one_and_merge_equal_one_read(path, backend, normaliser, heads):
     """The two kernels of Algorithm 1 at the op level: R queries read the completed sources in one
     launch (phase 1), and continuing each state with more sources (phase 2) equals one read of all."""
     from attnres.kernels.ops import depth_read_op, inv_rms_op
+
+    path(backend)
 
     d, N, R = 16, 11, 3
     early, late = _sources(4, (N, d), seed=5), _sources(2, (N, d), seed=6)
@@ -171,16 +181,16 @@ def test_two_phase_equals_one_read_per_sublayer_torch(path, variant, S, num_laye
     _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"{variant} S={S} L={num_layers}")
 
 
-@needs_triton
+@pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("S,num_layers", [(1, 4), (2, 4), (4, 6)])
-def test_two_phase_equals_one_read_per_sublayer_triton(path, S, num_layers):
+def test_two_phase_equals_one_read_per_sublayer_fused(path, backend, S, num_layers):
     x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(S), requires_grad=True)
     subs, ws = _sublayers(num_layers)
     res = _module("block", num_layers, block_size=S)
-    path("triton", "per_read")
+    path(backend, "per_read")
     ref = _run(res, x, subs, ws)
-    path("triton", "two_phase")
-    _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"triton block S={S} L={num_layers}")
+    path(backend, "two_phase")
+    _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"{backend} block S={S} L={num_layers}")
 
 
 @pytest.mark.parametrize("num_layers", [3, 4, 9])  # FULL_CHUNK = 4: a partial chunk, one chunk, a remainder
@@ -195,32 +205,32 @@ def test_full_two_phase_equals_one_read_per_sublayer(path, variant, num_layers):
     _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"{variant} L={num_layers}")
 
 
-@needs_triton
+@pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_fused_path_matches_torch_path_for_every_variant(path, variant):
+def test_fused_path_matches_torch_path_for_every_variant(path, backend, variant):
     """Outputs and gradients (embedding, queries, gains, projections, sublayers) of the whole
-    residual stream, Triton path against the PyTorch path, fp32."""
+    residual stream, fused path (Triton or C) against the PyTorch path, fp32."""
     x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
     subs, ws = _sublayers(L)
     res = _module(variant)
     path("torch", "per_read")
     ref = _run(res, x, subs, ws)
-    path("triton", "two_phase")
-    _compare(_run(res, x, subs, ws), ref, TOL, f"{variant}: Triton vs PyTorch")
+    path(backend, "two_phase")
+    _compare(_run(res, x, subs, ws), ref, TOL, f"{variant}: {backend} vs PyTorch")
 
 
-@needs_triton
+@pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("variant", ["block", "full"])
-def test_fused_path_with_autocast_style_mixed_types(path, variant):
-    """fp32 embedding, bf16 sublayer outputs (what autocast produces): the kernels store the
-    sources in bf16 and agree with the PyTorch path to bf16 precision."""
+def test_fused_path_with_autocast_style_mixed_types(path, backend, variant):
+    """fp32 embedding, bf16 sublayer outputs (what autocast produces): the Triton kernels store the
+    sources in bf16, the C kernels in fp32; both agree with the PyTorch path to bf16 precision."""
     x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0))
     subs, _ = _sublayers(L)
     subs = [lambda h, f=f: f(h).to(torch.bfloat16) for f in subs]
     res = _module(variant)
     path("torch", "per_read")
     want = res(x, subs)
-    path("triton", "two_phase")
+    path(backend, "two_phase")
     got = res(x, subs)
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
@@ -240,14 +250,14 @@ def test_torch_path_matches_reference_reads_with_weights(path):
 
 # --- training: the fused path and the reference path are the same model --------------------------
 
-@needs_triton
+@pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("variant", ["block", "full"])
-def test_twenty_training_steps_reach_the_same_loss(path, variant):
+def test_twenty_training_steps_reach_the_same_loss(path, backend, variant):
     cfg = ModelConfig(d_model=16, layers=2, n_heads=2, vocab_size=32, max_seq_len=8)
     idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
     losses = {}
-    for name, backend, schedule in (("reference", "torch", "per_read"), ("fused", "triton", "two_phase")):
-        path(backend, schedule)
+    for name, chosen, schedule in (("reference", "torch", "per_read"), ("fused", backend, "two_phase")):
+        path(chosen, schedule)
         torch.manual_seed(0)
         model = DecoderLM(cfg, ResidualConfig(name=variant, block_size=2))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -265,7 +275,8 @@ def test_twenty_training_steps_reach_the_same_loss(path, variant):
 @pytest.mark.parametrize(
     "backend,variant",
     [("torch", v) for v in ("block", "full", "full_input_query", "sliding_window", "full_scalar", "mhc")]
-    + [pytest.param("triton", v, marks=needs_triton) for v in ("block", "full")],
+    + [pytest.param("triton", v, marks=needs_triton) for v in ("block", "full")]
+    + [("cpu", v) for v in ("block", "full", "full_input_query")],
 )
 def test_paths_trace_with_torch_compile(path, backend, variant):
     """One graph, no break (fullgraph=True): AOTAutograd traces the PyTorch path's autograd
@@ -308,7 +319,7 @@ except RuntimeError as e:
 
 
 def test_backend_names_are_checked():
-    with pytest.raises(ValueError, match="allowed: auto, triton, torch"):
+    with pytest.raises(ValueError, match="allowed: auto, triton, cpu, torch"):
         kernels.set_backend("cuda")
     with pytest.raises(ValueError, match="allowed: two_phase, per_read"):
         kernels.set_schedule("fast")

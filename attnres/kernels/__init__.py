@@ -1,10 +1,13 @@
-"""Fast depth reads: Triton kernels (forward and backward) and the PyTorch path, one math.
+"""Fast depth reads: fused kernels (forward and backward) and the PyTorch path, one math.
 
-Which path runs (`use_triton`):
+Which path runs (`use_fused`):
 - `ATTNRES_KERNEL=auto` (default): the Triton kernels for CUDA tensors of type fp32/bf16/fp16 when
-  Triton imports, the PyTorch path otherwise (CPU, float64, no Triton);
-- `ATTNRES_KERNEL=triton`: the kernels on any device; on CPU they need TRITON_INTERPRET=1 set
-  before Triton is first used (that is how the tests run them without a GPU);
+  Triton imports; the C kernels (csrc/depth_read.c, built on first use with the system C
+  compiler, see native.py) for fp32 CPU tensors outside CPU autocast; the PyTorch path otherwise
+  (float64, CPU autocast, no compiler, no Triton);
+- `ATTNRES_KERNEL=triton`: the Triton kernels on any device; on CPU they need TRITON_INTERPRET=1
+  set before Triton is first used (that is how the tests run them without a GPU);
+- `ATTNRES_KERNEL=cpu`: the C kernels (fp32 CPU tensors; an error if they cannot be built);
 - `ATTNRES_KERNEL=torch`: the PyTorch path everywhere.
 `set_backend(...)` overrides the variable from Python (None: back to the variable). The schedule
 of static-query Block and Full reads (`ATTNRES_SCHEDULE` / `set_schedule`) is "two_phase" (the
@@ -12,7 +15,8 @@ paper's Algorithm 1, default) or "per_read" (one read per sublayer); see readers
 Whichever runs, the model is the same: the paths and schedules are tested against each other and
 against `attnres.depth_read`.
 
-The core imports torch only: Triton is imported when a kernel first runs, never at import time.
+The core imports torch only: Triton is imported when a kernel first runs, never at import time,
+and the C kernels are compiled and loaded on their first use.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 SCHEDULES = ("two_phase", "per_read")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -52,7 +56,7 @@ def _choice(value: str, allowed, what: str) -> str:
 
 
 def set_backend(name: Optional[str]) -> None:
-    """Force the read path: "auto", "triton", "torch", or None to follow ATTNRES_KERNEL."""
+    """Force the read path: "auto", "triton", "cpu", "torch", or None to follow ATTNRES_KERNEL."""
     global _backend
     _backend = None if name is None else _choice(name, BACKENDS, "backend")
 
@@ -72,8 +76,16 @@ def schedule() -> str:
     return _schedule or _choice(os.environ.get("ATTNRES_SCHEDULE", "two_phase"), SCHEDULES, "ATTNRES_SCHEDULE")
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether reads over tensors like x run the Triton kernels (see the module docstring)."""
+def cpu_kernels_available() -> bool:
+    """Whether the C kernels of the CPU path build and load here (built on the first call)."""
+    from . import cpu_kernels
+
+    return cpu_kernels.available()
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether reads over tensors like x run a fused kernel (Triton or C; see the module
+    docstring) rather than the PyTorch path."""
     mode = backend()
     if mode == "torch":
         return False
@@ -83,7 +95,20 @@ def use_triton(x: torch.Tensor) -> bool:
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 to run on CPU")
         return True
-    return x.is_cuda and x.dtype in _KERNEL_DTYPES and triton_available()
+    if x.is_cuda:
+        if mode == "cpu":
+            raise RuntimeError("the C kernels (ATTNRES_KERNEL=cpu) run on CPU tensors; this one is on CUDA")
+        return x.dtype in _KERNEL_DTYPES and triton_available()
+    cpu_ok = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+    if mode == "cpu":
+        if not cpu_ok:
+            raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) take fp32 CPU tensors outside autocast; got {x.dtype} on {x.device}")
+        if not cpu_kernels_available():
+            from . import native
+
+            raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) could not be built: {native.why_unavailable('depth_read')}")
+        return True
+    return cpu_ok and cpu_kernels_available()
 
 
 def make_reader(res, x: torch.Tensor, want_weights: bool):
@@ -91,7 +116,7 @@ def make_reader(res, x: torch.Tensor, want_weights: bool):
     from .readers import FusedReader, TorchReader
 
     two_phase = schedule() == "two_phase"
-    if res.query_kind != "scalar" and use_triton(x):
+    if res.query_kind != "scalar" and use_fused(x):
         return FusedReader(res, x, want_weights, two_phase)
     return TorchReader(res, x, want_weights, two_phase)
 
@@ -106,10 +131,11 @@ def fused_depth_read(
     normaliser: str = "softmax",
     heads: int = 1,
 ) -> torch.Tensor:
-    """`attnres.depth_read` through the Triton kernels (same arguments, same result): each
-    source's 1/rms by one kernel, then one read kernel over the list of sources."""
+    """`attnres.depth_read` through the fused kernels (same arguments, same result): each
+    source's 1/rms by one kernel, then one read kernel over the list of sources. Triton on CUDA
+    (or forced), the C kernels on CPU."""
     from ..depth_attention import NORMALISERS
-    from .ops import depth_read_op, inv_rms_op
+    from . import ops
 
     _choice(normaliser, NORMALISERS, "normaliser")
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
@@ -119,12 +145,12 @@ def fused_depth_read(
     q = query * key_gain if (key_gain is not None and key_norm) else query
     per_token = q.dim() > 1
     q = q.reshape(-1, d).contiguous() if per_token else q.reshape(1, d).contiguous()
-    rms = [inv_rms_op(s, eps) for s in flat] if key_norm else []
-    out, _ = depth_read_op(flat, rms, q, None, None, heads, normaliser == "sigmoid", per_token, sources[0].dtype)
+    rms = [ops.inv_rms(s, eps) for s in flat] if key_norm else []
+    out, _ = ops.read(flat, rms, q, None, None, heads, normaliser == "sigmoid", per_token, sources[0].dtype)
     return out[0].view(*lead, d)
 
 
 __all__ = [
-    "BACKENDS", "SCHEDULES", "backend", "fused_depth_read", "make_reader",
-    "schedule", "set_backend", "set_schedule", "triton_available", "use_triton",
+    "BACKENDS", "SCHEDULES", "backend", "cpu_kernels_available", "fused_depth_read", "make_reader",
+    "schedule", "set_backend", "set_schedule", "triton_available", "use_fused",
 ]

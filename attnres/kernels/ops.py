@@ -1,4 +1,4 @@
-"""The Triton kernels as PyTorch operators: `torch.library.custom_op`s with autograd and fake
+"""The kernels as PyTorch operators: `torch.library.custom_op`s with autograd and fake
 (meta) implementations, so that eager autograd, `torch.compile` (no graph break: the op is a
 node of the traced graph, its backward another op) and AOTAutograd all see one operator.
 
@@ -6,6 +6,10 @@ Why custom_op and not triton_op: the kernels read their sources through a table 
 (no stacking copy), which only exists for real tensors at run time; a triton_op would be traced
 into Inductor's graph with fake tensors, where there are no pointers. The price is that Inductor
 does not fuse into the read, which is a memory-bound kernel of its own anyway.
+
+Each operator runs the Triton kernels on CUDA tensors (and on CPU under the interpreter, when the
+Triton backend is forced) and the C kernels of cpu_kernels.py on CPU tensors otherwise: one
+operator, one autograd formula, two implementations of the same four functions.
 
 Registering needs only torch; the kernels module (and Triton) is imported on the first call.
 """
@@ -17,7 +21,13 @@ import torch
 from torch import Tensor
 
 
-def _kernels():
+def _kernels(t: Tensor):
+    from . import backend
+
+    if t.device.type == "cpu" and backend() != "triton":
+        from . import cpu_kernels
+
+        return cpu_kernels
     from . import triton_kernels  # lazy: Triton is optional, and TRITON_INTERPRET is read at import
 
     return triton_kernels
@@ -41,7 +51,7 @@ def depth_read_op(
     inv_rms: each source's 1/rms (N,) in fp32, or empty for raw keys. init_out/init_lse: a
     running read to continue (the phase-2 merge), or None.
     """
-    return _kernels().read_forward(list(sources), list(inv_rms), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
+    return _kernels(query).read_forward(list(sources), list(inv_rms), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
 
 
 @depth_read_op.register_fake
@@ -68,7 +78,7 @@ def depth_read_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_sources (n, N, d), d_inv_rms (n, N), d_query, d_init_out, d_init_lse); the absent ones
     are empty tensors (a custom op returns tensors only)."""
-    dsrc, drms, dq, do0, dlse0 = _kernels().read_backward(
+    dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(
         list(sources), list(inv_rms), query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token
     )
     def empty():  # distinct placeholders: outputs of a custom op may not alias one another
@@ -101,7 +111,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(*sources, *inv_rms, query, lse, *extra)  # not out: backward does not need it
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, eager: bool = False):
     saved = ctx.saved_tensors
     n, k = ctx.n_src, ctx.n_rms
     sources, inv_rms = list(saved[:n]), list(saved[n : n + k])
@@ -110,7 +120,8 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         R, N, H = lse.shape
         grad_out = lse.new_zeros(R, N, query.shape[-1], dtype=ctx.out_dtype)
-    dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(
+    run = _kernels(query).read_backward if eager else depth_read_backward_op
+    dsrc, drms, dq, do0, dlse0 = run(
         sources, inv_rms, query, init_out, init_lse, lse, grad_out.contiguous(),
         None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token,
     )
@@ -126,10 +137,37 @@ def _backward(ctx, grad_out, grad_lse):
 depth_read_op.register_autograd(_backward, setup_context=_setup)
 
 
+class _EagerRead(torch.autograd.Function):
+    """depth_read_op without the custom operator's dispatch: the same kernels, the same autograd
+    formula (_setup, _backward). Eager calls come here because the custom op's Python layer
+    (argument flattening, schema defaults, redispatch) costs ~100 µs a call on a CPU, more than
+    the read itself in a small model; torch.compile needs the operator and gets it (`read`)."""
+
+    @staticmethod
+    def forward(ctx, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, n, *tensors):
+        inputs = (list(tensors[:n]), list(tensors[n:]), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
+        output = _kernels(query).read_forward(*inputs)
+        _setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        d_sources, d_rms, dq, do0, dlse0, *_ = _backward(ctx, grad_out, grad_lse, eager=True)
+        return (dq, do0, dlse0, None, None, None, None, None, *d_sources, *d_rms)
+
+
+def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
+    """`depth_read_op` (same arguments, same results): the operator when torch.compile traces, a
+    plain autograd.Function around the same kernels in eager mode."""
+    if torch.compiler.is_compiling():
+        return depth_read_op(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
+    return _EagerRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, len(sources), *sources, *inv_rms)
+
+
 @torch.library.custom_op("attnres::inv_rms", mutates_args=())
 def inv_rms_op(x: Tensor, eps: float) -> Tensor:
     """1/rms of each row of a (N, d) tensor, in fp32: computed once per source, shared by readers."""
-    return _kernels().inv_rms_forward(x, eps)
+    return _kernels(x).inv_rms_forward(x, eps)
 
 
 @inv_rms_op.register_fake
@@ -139,7 +177,7 @@ def _(x, eps):
 
 @torch.library.custom_op("attnres::inv_rms_backward", mutates_args=())
 def inv_rms_backward_op(x: Tensor, rho: Tensor, grad: Tensor) -> Tensor:
-    return _kernels().inv_rms_backward(x, rho, grad)
+    return _kernels(x).inv_rms_backward(x, rho, grad)
 
 
 @inv_rms_backward_op.register_fake
@@ -157,3 +195,25 @@ def _rms_backward(ctx, grad):
 
 
 inv_rms_op.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+class _EagerInvRms(torch.autograd.Function):
+    """inv_rms_op without the custom operator's dispatch (see _EagerRead)."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        rho = _kernels(x).inv_rms_forward(x, eps)
+        ctx.save_for_backward(x, rho)
+        return rho
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rho = ctx.saved_tensors
+        return _kernels(x).inv_rms_backward(x, rho, grad.contiguous()), None
+
+
+def inv_rms(x: Tensor, eps: float) -> Tensor:
+    """`inv_rms_op`: the operator under torch.compile, an autograd.Function in eager mode."""
+    if torch.compiler.is_compiling():
+        return inv_rms_op(x, eps)
+    return _EagerInvRms.apply(x, eps)

@@ -6,8 +6,9 @@ Paths:
   every reader that will see it from one matmul against the stacked effective queries (unbound
   once, so that a read gathers its column without a scatter in backward). Reads then normalise
   the gathered scores and mix the sources in place (`mix.mix`, `mix.merge_read`): no stacking.
-- `FusedReader`, the Triton path (`ops.depth_read_op`): per source its 1/rms once (a kernel), and
-  each read one kernel launch over the list of sources, scores computed in the kernel.
+- `FusedReader`, the fused path (`ops.read`: the Triton kernels on CUDA, the C kernels of
+  csrc/depth_read.c on CPU): per source its 1/rms once (a kernel), and each read one kernel call
+  over the list of sources, scores computed in the kernel.
 
 Schedules, for static queries with `sources="block"` or `"full"`:
 - per read: every sublayer reads all its visible sources in one read;
@@ -196,23 +197,27 @@ class TorchReader(_ReaderBase):
 
 
 class FusedReader(_ReaderBase):
-    """The Triton path (see the module docstring). Depth weights, only computed when recorded,
+    """The fused path (see the module docstring). Depth weights, only computed when recorded,
     come from the PyTorch formula beside the kernel's output, which they never change.
 
     A kernel reads sources of one storage type. Under autocast the embedding is fp32 while the
-    sublayers return bf16/fp16, so the sources are kept in the sublayers' type: the embedding is
-    cast once, when the first sublayer output arrives (its 1/rms stays the fp32 one)."""
+    sublayers return bf16/fp16, so the Triton kernels keep the sources in the sublayers' type: the
+    embedding is cast once, when the first sublayer output arrives (its 1/rms stays the fp32 one).
+    The C kernels read fp32 only, so there every source is stored in fp32."""
 
     def __init__(self, res, x, want_weights, two_phase):
+        from . import backend
+
         super().__init__(res, x, want_weights, two_phase)
-        self.store = None  # storage type of the sources
+        self.fixed_store = not x.is_cuda and backend() != "triton"  # the C kernels: fp32 only
+        self.store = torch.float32 if self.fixed_store else None  # storage type of the sources
 
     def stored(self, v: torch.Tensor) -> torch.Tensor:
         v = self.flat(v)
         if self.store is None:
             self.store = v.dtype
         elif v.dtype != self.store:
-            if len(self.completed) == 1 and self.completed[0].v.dtype == self.store:
+            if not self.fixed_store and len(self.completed) == 1 and self.completed[0].v.dtype == self.store:
                 self.store = v.dtype  # the first sublayer output: adopt its type
                 self.completed[0].v = self.completed[0].v.to(v.dtype)
             else:
@@ -220,18 +225,21 @@ class FusedReader(_ReaderBase):
         return v.contiguous()
 
     def add(self, v: torch.Tensor) -> None:
-        from .ops import inv_rms_op
+        from . import ops
 
-        rho = inv_rms_op(self.flat(v).contiguous(), self.res.eps) if self.res.key_norm else None
-        self.completed.append(_Source(self.stored(v), len(self.completed), rho))
+        stored = self.stored(v)
+        # 1/rms from the value as it arrived (an fp32 embedding before a cast to bf16 storage)
+        keys = stored if stored.dtype == torch.float32 else self.flat(v).contiguous()
+        rho = ops.inv_rms(keys, self.res.eps) if self.res.key_norm else None
+        self.completed.append(_Source(stored, len(self.completed), rho))
 
     def _op(self, sources, rhos, q, init=None, out_dtype=None, per_token=False):
-        from .ops import depth_read_op
+        from . import ops
 
         if q.dim() == 1:
             q = q[None]
         o0, lse0 = init if init is not None else (None, None)
-        return depth_read_op(
+        return ops.read(
             sources, [r for r in rhos if r is not None], q.contiguous(), o0, lse0, self.H, self.sigmoid,
             per_token, out_dtype or self.dtype,
         )
@@ -242,7 +250,7 @@ class FusedReader(_ReaderBase):
             return normalise_scores(s, self.res.normaliser, dim=-1)
 
     def read_once(self, l, partial, prev_h):
-        from .ops import inv_rms_op
+        from . import ops
 
         visible = self.visible()
         q = self.query(l, prev_h)
@@ -250,7 +258,7 @@ class FusedReader(_ReaderBase):
         if partial is not None:
             partial = self.stored(partial)
             sources.append(partial)
-            rhos.append(inv_rms_op(partial, self.res.eps) if self.res.key_norm else None)
+            rhos.append(ops.inv_rms(partial, self.res.eps) if self.res.key_norm else None)
         out, _ = self._op(sources, rhos, q, per_token=q.dim() == 2)
         return out[0], (self._weights(sources, rhos, q) if self.want_weights else None)
 
@@ -263,7 +271,7 @@ class FusedReader(_ReaderBase):
         self.phase = dict(start=start, n_before=len(before), o=o.unbind(0), lse=lse.unbind(0), alpha=alpha)
 
     def phase_two(self, l: int, extras: list[_Source]):
-        from .ops import inv_rms_op
+        from . import ops
 
         i = l - self.phase["start"]
         o, lse = self.phase["o"][i], self.phase["lse"][i]
@@ -271,6 +279,6 @@ class FusedReader(_ReaderBase):
         if not extras:
             return o.to(self.dtype), weights
         us = [self.stored(src.v) for src in extras]
-        rhos = [src.rho if src.rho is not None or not self.res.key_norm else inv_rms_op(u, self.res.eps) for src, u in zip(extras, us)]
+        rhos = [src.rho if src.rho is not None or not self.res.key_norm else ops.inv_rms(u, self.res.eps) for src, u in zip(extras, us)]
         out, _ = self._op(us, rhos, self.q_all[l], init=(o.unsqueeze(0), lse.unsqueeze(0)))
         return out[0], weights

@@ -1,0 +1,157 @@
+"""The C kernels of csrc/depth_read.c behind the same four functions as triton_kernels.py
+(`read_forward`, `read_backward`, `inv_rms_forward`, `inv_rms_backward`), for contiguous fp32
+CPU tensors. ops.py routes a CPU call here, so the custom operators, their autograd and the
+readers are shared by both kernel paths.
+
+Threads: tokens are split into one contiguous range per thread (torch.get_num_threads(), when
+there are enough tokens to pay for it), each range a call that releases the GIL; the
+static-query gradient is summed over the ranges' own buffers.
+"""
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from . import native
+
+_MIN_TOKENS_PER_THREAD = 256
+_TT = 16  # tokens per tile: TT in csrc/depth_read.c
+_lib = None
+_pool: Optional[ThreadPoolExecutor] = None
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _library():
+    global _lib
+    if _lib is None:
+        lib = native.load("depth_read")
+        if lib is None:
+            return None
+        lib.attnres_read_forward.argtypes = [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _I64, _I64, _P]
+        lib.attnres_read_backward.argtypes = [
+            _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _I64, _I64, _P,
+        ]
+        lib.attnres_inv_rms_forward.argtypes = [_P, _P, _I64, _INT, ctypes.c_float]
+        lib.attnres_inv_rms_backward.argtypes = [_P, _P, _P, _P, _I64, _INT]
+        _lib = lib
+    return _lib
+
+
+def _need():
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the C kernels of the CPU path could not be built: {native.why_unavailable('depth_read')}")
+    return lib
+
+
+def _ptrs(tensors) -> Optional[ctypes.Array]:
+    return (_P * len(tensors))(*[t.data_ptr() for t in tensors]) if len(tensors) else None
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return t.data_ptr() if t is not None else None
+
+
+def _check(tensors, what: str) -> None:
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+            raise ValueError(f"{what}: the C kernels take contiguous fp32 CPU tensors, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+
+
+def _ranges(N: int) -> list[tuple[int, int]]:
+    k = max(1, min(torch.get_num_threads(), N // _MIN_TOKENS_PER_THREAD))
+    step = -(-N // k)
+    return [(t, min(N, t + step)) for t in range(0, N, step)]
+
+
+def _run(calls) -> None:
+    """Run thunks, in parallel when there are several (ctypes drops the GIL during each call)."""
+    global _pool
+    if len(calls) == 1:
+        calls[0]()
+        return
+    if _pool is None or _pool._max_workers < len(calls):
+        _pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="attnres-cpu")
+    for f in [_pool.submit(c) for c in calls]:
+        f.result()
+
+
+def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
+    lib = _need()
+    ref = sources[0] if sources else init_out
+    N, d = ref.shape[-2], ref.shape[-1]
+    R = 1 if per_token else query.shape[0]
+    _check([*sources, *inv_rms, query, init_out, init_lse], "depth read")
+    out = torch.empty(R, N, d, dtype=torch.float32)
+    lse = torch.empty(R, N, heads, dtype=torch.float32)
+    src, rms = _ptrs(sources), _ptrs(inv_rms)
+    ranges = _ranges(N)
+    scratch = torch.empty(len(ranges), _TT * (len(sources) + 2) * R * heads, dtype=torch.float32)
+
+    def call(j, t0, t1):
+        return lambda: lib.attnres_read_forward(
+            src, rms, len(sources), query.data_ptr(), int(per_token), _ptr(init_out), _ptr(init_lse),
+            out.data_ptr(), lse.data_ptr(), N, d, heads, R, int(sigmoid), t0, t1, scratch[j].data_ptr(),
+        )
+
+    _run([call(j, *r) for j, r in enumerate(ranges)])
+    return (out if out_dtype == torch.float32 else out.to(out_dtype)), lse
+
+
+def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token):
+    lib = _need()
+    R, N, d = grad_out.shape
+    n = len(sources)
+    _check([*sources, *inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse], "depth read backward")
+    dsrc = torch.empty(n, N, d, dtype=torch.float32)
+    drms = torch.empty(n, N, dtype=torch.float32) if inv_rms else None
+    has_init = init_out is not None
+    do0 = torch.empty(R, N, d, dtype=torch.float32) if has_init else None
+    dlse0 = torch.empty(R, N, heads, dtype=torch.float32) if has_init else None
+    ranges = _ranges(N)
+    dq_tok = torch.empty(N, d, dtype=torch.float32) if per_token else None
+    dq_static = None if per_token else torch.zeros(len(ranges), R, d, dtype=torch.float64)
+    per_call = _TT * (4 * n + 2) * R * heads + R * d
+    scratch = torch.empty(len(ranges), per_call, dtype=torch.float32)
+    src, rms = _ptrs(sources), _ptrs(inv_rms)
+    dsrc_p = _ptrs(list(dsrc.unbind(0)))
+    drms_p = _ptrs(list(drms.unbind(0))) if drms is not None else None
+
+    def call(j, t0, t1):
+        return lambda: lib.attnres_read_backward(
+            src, rms, n, query.data_ptr(), int(per_token), _ptr(init_out), _ptr(init_lse), lse.data_ptr(),
+            grad_out.data_ptr(), _ptr(grad_lse), dsrc_p, drms_p, _ptr(dq_tok),
+            None if dq_static is None else dq_static[j].data_ptr(), _ptr(do0), _ptr(dlse0),
+            N, d, heads, R, int(sigmoid), t0, t1, scratch[j].data_ptr(),
+        )
+
+    _run([call(j, *r) for j, r in enumerate(ranges)])
+    dq = dq_tok if per_token else dq_static.sum(0).float()
+    return dsrc, drms, dq, do0, dlse0
+
+
+def inv_rms_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
+    lib = _need()
+    _check([x], "inv_rms")
+    N, d = x.shape
+    rho = torch.empty(N, dtype=torch.float32)
+    lib.attnres_inv_rms_forward(x.data_ptr(), rho.data_ptr(), N, d, eps)
+    return rho
+
+
+def inv_rms_backward(x: torch.Tensor, rho: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    lib = _need()
+    _check([x, rho, grad], "inv_rms backward")
+    N, d = x.shape
+    dx = torch.empty_like(x)
+    lib.attnres_inv_rms_backward(x.data_ptr(), rho.data_ptr(), grad.data_ptr(), dx.data_ptr(), N, d)
+    return dx

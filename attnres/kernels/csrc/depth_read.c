@@ -1,0 +1,318 @@
+/* One depth read on the CPU, forward and backward: the C counterpart of triton_kernels.py, one
+ * function per direction, any number of readers at once (same math, same arguments, fp32).
+ *
+ *     s_ri = (q_r · v_i) · ρ_i       ρ_i = 1/rms(v_i) (1 without key norm)
+ *     t_ri = s_ri (softmax)  or  log σ(s_ri) (sigmoid, renormalised)
+ *     out_r = Σ_i softmax_i(t_ri) v_i,   lse_r = log Σ_i exp(t_ri)
+ *
+ * plus an optional initial state (o0, lse0) per reader, a pseudo-source with a given logit: the
+ * phase-2 merge of the paper's Algorithm 1. With H heads the d channels split into H groups of
+ * W = d/H, each with its own softmax over sources (one rms per token, shared by the groups).
+ *
+ * Design decisions:
+ * - Tiles of TT tokens, sources in the inner-outer loop: within a tile each source is one
+ *   contiguous TT·d run (what hardware prefetchers follow; a token-at-a-time loop over many
+ *   sources was latency-bound on a CPU), and the tile's slices of all sources stay in L1/L2 while
+ *   all R readers score and mix them: each source streams from memory once per call, forward and
+ *   backward; nothing of size (tokens × d) is written except the outputs themselves.
+ * - Two passes over the cache-resident tile instead of an online softmax (no rescaling); the
+ *   exponentials of a tile are one vectorised loop.
+ * - The backward recomputes the scores from the sources and the saved lse (weights are never
+ *   stored) and knows Δ = Σ_i α_i (g·v_i) − g_lse before it writes anything, so the query
+ *   gradient is accumulated directly (no cancellation trick needed, unlike the Triton kernel).
+ * - The static-query gradient is summed over a tile in float and flushed into double per tile:
+ *   fp32 arithmetic, no drift over long sequences.
+ * - Each call handles a token range [t0, t1) and adds its query gradient into its own buffer, so
+ *   a caller may split the tokens across threads.
+ * Pointers are raw; shapes and contiguity are checked by the Python wrapper (cpu_kernels.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+static inline float dot(const float *restrict a, const float *restrict b, int w) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int c = 0; c < w; c++) s += a[c] * b[c];
+    return s;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int w) {
+#pragma omp simd
+    for (int c = 0; c < w; c++) y[c] += a * x[c];
+}
+
+/* exp and log in a form the compiler vectorises (libm's are scalar calls): range reduction to
+ * [-ln2/2, ln2/2] (resp. a mantissa in [√½, √2)) and the classic Cephes minimax polynomials,
+ * within 2 ulp of libm over the ranges used here. exp(-inf) = 0 (a masked source), and arguments
+ * are clamped to fp32's range. */
+/* fminf/fmaxf are library calls unless NaNs are ruled out: plain comparisons vectorise. */
+static inline float max_f(float a, float b) { return a > b ? a : b; }
+static inline float min_f(float a, float b) { return a < b ? a : b; }
+
+static inline float exp_f(float x) {
+    const float c = min_f(max_f(x, -87.33654f), 88.72283f);
+    const float k = floorf(c * 1.44269504f + 0.5f);
+    float r = c - k * 0.693359375f;
+    r = r + k * 2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
+    return x < -87.33654f ? 0.f : y * scale.f;
+}
+
+static inline float log_f(float x) { /* x > 0, finite */
+    union { float f; int32_t i; } u = {.f = x};
+    float e = (float)(((u.i >> 23) & 0xff) - 126);
+    u.i = (u.i & 0x007fffff) | 0x3f000000; /* mantissa in [0.5, 1) */
+    float m = u.f;
+    const int lo = m < 0.707106781f;
+    e = lo ? e - 1.f : e;
+    m = lo ? m + m - 1.f : m - 1.f;
+    const float z = m * m;
+    float y = 7.0376836292e-2f;
+    y = y * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z;
+    y += -2.12194440e-4f * e;
+    y += -0.5f * z;
+    return m + y + 0.693359375f * e;
+}
+
+static inline float log_sigmoid(float s) { return min_f(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
+
+#define TT 16 /* tokens per tile */
+
+/* Forward. srcs: n pointers to (N, d); rms: n pointers to (N,) or NULL (raw keys); q: (R, d)
+ * static queries, or (N, d) per token (R = 1); o0 (R, N, d) and lse0 (R, N, H), or NULL;
+ * out (R, N, d), lse (R, N, H). scratch: TT·(n + 2)·R·H floats. Returns 0. */
+int attnres_read_forward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
+                         const float *o0, const float *lse0, float *out, float *lse, i64 N, int d, int H, int R,
+                         int use_sigmoid, i64 t0, i64 t1, float *scratch) {
+    const int W = d / H, RH = R * H, nRH = n * RH;
+    float *S = scratch;        /* S[(u·n + i)·RH + k], u: token in tile, k = r·H + h: logit, then weight */
+    float *M = S + TT * nRH;   /* max logit per (u, k), then log-sum-exp */
+    float *Z = M + TT * RH;    /* weight of the initial state, then the sum of weights */
+    for (i64 ta = t0; ta < t1; ta += TT) {
+        const int T = (int)(t1 - ta < TT ? t1 - ta : TT);
+        for (int i = 0; i < n; i++) {
+            for (int u = 0; u < T; u++) {
+                const i64 t = ta + u;
+                const float *v = srcs[i] + t * d;
+                const float rho = rms ? rms[i][t] : 1.f;
+                float *Su = S + ((i64)u * n + i) * RH;
+                for (int r = 0; r < R; r++) {
+                    const float *qr = per_token ? q + t * d : q + (i64)r * d;
+                    for (int h = 0; h < H; h++) Su[r * H + h] = dot(qr + h * W, v + h * W, W) * rho;
+                }
+            }
+        }
+        if (use_sigmoid)
+            for (int j = 0; j < T * nRH; j++) S[j] = log_sigmoid(S[j]);
+        for (int u = 0; u < T; u++) {
+            float *Mu = M + u * RH, *Zu = Z + u * RH;
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < H; h++) {
+                    Mu[r * H + h] = o0 ? lse0[((i64)r * N + ta + u) * H + h] : -INFINITY;
+                    Zu[r * H + h] = Mu[r * H + h];
+                }
+            for (int i = 0; i < n; i++)
+                for (int k = 0; k < RH; k++) Mu[k] = max_f(Mu[k], S[((i64)u * n + i) * RH + k]);
+            for (int i = 0; i < n; i++)
+                for (int k = 0; k < RH; k++) S[((i64)u * n + i) * RH + k] -= Mu[k];
+            for (int k = 0; k < RH; k++) Zu[k] -= Mu[k]; /* -inf without an initial state */
+        }
+#pragma omp simd
+        for (int j = 0; j < T * nRH; j++) S[j] = exp_f(S[j]);
+#pragma omp simd
+        for (int j = 0; j < T * RH; j++) Z[j] = exp_f(Z[j]);
+        /* out = (a0·o0 + Σ_i e_i v_i) / Σ, sources in the outer loop (each read as one run) */
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < T; u++) {
+                float *o = out + ((i64)r * N + ta + u) * d;
+                if (o0) {
+                    const float *p0 = o0 + ((i64)r * N + ta + u) * d;
+                    for (int h = 0; h < H; h++) {
+                        const float a0 = Z[u * RH + r * H + h];
+#pragma omp simd
+                        for (int c = 0; c < W; c++) o[h * W + c] = a0 * p0[h * W + c];
+                    }
+                } else {
+                    memset(o, 0, sizeof(float) * d);
+                }
+            }
+        for (int i = 0; i < n; i++)
+            for (int u = 0; u < T; u++) {
+                const float *v = srcs[i] + (ta + u) * d;
+                const float *Su = S + ((i64)u * n + i) * RH;
+                for (int r = 0; r < R; r++) {
+                    float *o = out + ((i64)r * N + ta + u) * d;
+                    for (int h = 0; h < H; h++) axpy(o + h * W, Su[r * H + h], v + h * W, W);
+                }
+            }
+        for (int u = 0; u < T; u++)
+            for (int k = 0; k < RH; k++) {
+                float sum = Z[u * RH + k];
+                for (int i = 0; i < n; i++) sum += S[((i64)u * n + i) * RH + k];
+                Z[u * RH + k] = sum;
+            }
+#pragma omp simd
+        for (int j = 0; j < T * RH; j++) M[j] += log_f(Z[j]);
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < T; u++)
+                for (int h = 0; h < H; h++) {
+                    const float inv = 1.f / Z[u * RH + r * H + h];
+                    float *o = out + ((i64)r * N + ta + u) * d + h * W;
+#pragma omp simd
+                    for (int c = 0; c < W; c++) o[c] *= inv;
+                    lse[((i64)r * N + ta + u) * H + h] = M[u * RH + r * H + h];
+                }
+    }
+    return 0;
+}
+
+/* Backward. Inputs as in the forward, plus lse (R, N, H), gout (R, N, d), glse (R, N, H) or NULL.
+ * Outputs: dsrc: n pointers to (N, d), written; drms: n pointers to (N,) or NULL, written;
+ * dq: per token (N, d) written, or static (R, d) in double, added to; do0 (R, N, d) and
+ * dlse0 (R, N, H) written when o0 is given. scratch: TT·(4·n + 2)·R·H + R·d floats. */
+int attnres_read_backward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
+                          const float *o0, const float *lse0, const float *lse, const float *gout,
+                          const float *glse, float *const *dsrc, float *const *drms, float *dq_tok, double *dq_static,
+                          float *do0, float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, i64 t0, i64 t1,
+                          float *scratch) {
+    const int W = d / H, RH = R * H, nRH = n * RH;
+    float *A = scratch;             /* α per (u, i, k), k = r·H + h */
+    float *B = A + TT * nRH;        /* g_r · v_i */
+    float *QV = B + TT * nRH;       /* q_r · v_i (the score before ρ) */
+    float *SG = QV + TT * nRH;      /* σ(−s) for the sigmoid normaliser */
+    float *delta = SG + TT * nRH;   /* Δ per (u, k) */
+    float *a0 = delta + TT * RH;    /* weight of the initial state per (u, k) */
+    float *dq_tile = a0 + TT * RH;  /* static query gradient of the current tile (R, d) */
+    for (i64 ta = t0; ta < t1; ta += TT) {
+        const int T = (int)(t1 - ta < TT ? t1 - ta : TT);
+        if (per_token) memset(dq_tok + ta * d, 0, sizeof(float) * T * d);
+        else memset(dq_tile, 0, sizeof(float) * R * d);
+        /* pass 1: q·v and g·v of every (token, source, reader, head) */
+        for (int i = 0; i < n; i++)
+            for (int u = 0; u < T; u++) {
+                const i64 t = ta + u;
+                const float *v = srcs[i] + t * d;
+                const i64 at = ((i64)u * n + i) * RH;
+                for (int r = 0; r < R; r++) {
+                    const float *qr = per_token ? q + t * d : q + (i64)r * d;
+                    const float *g = gout + ((i64)r * N + t) * d;
+                    for (int h = 0; h < H; h++) {
+                        QV[at + r * H + h] = dot(qr + h * W, v + h * W, W);
+                        B[at + r * H + h] = dot(g + h * W, v + h * W, W);
+                    }
+                }
+            }
+        for (int u = 0; u < T; u++)
+            for (int i = 0; i < n; i++) {
+                const float rho = rms ? rms[i][ta + u] : 1.f;
+                const i64 at = ((i64)u * n + i) * RH;
+                for (int k = 0; k < RH; k++) A[at + k] = QV[at + k] * rho;
+            }
+        if (use_sigmoid) {
+#pragma omp simd
+            for (int j = 0; j < T * nRH; j++) SG[j] = 1.f / (1.f + exp_f(A[j])); /* σ(−s) = d log σ(s)/ds */
+            for (int j = 0; j < T * nRH; j++) A[j] = log_sigmoid(A[j]);
+        }
+        for (int u = 0; u < T; u++)
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < H; h++) {
+                    const i64 row = ((i64)r * N + ta + u) * H + h;
+                    const float l = lse[row];
+                    for (int i = 0; i < n; i++) A[((i64)u * n + i) * RH + r * H + h] -= l;
+                    a0[u * RH + r * H + h] = o0 ? lse0[row] - l : -INFINITY;
+                }
+#pragma omp simd
+        for (int j = 0; j < T * nRH; j++) A[j] = exp_f(A[j]);
+#pragma omp simd
+        for (int j = 0; j < T * RH; j++) a0[j] = exp_f(a0[j]);
+        /* Δ = Σ_i α_i b_i (+ the initial state's term) − g_lse */
+        for (int u = 0; u < T; u++) {
+            float *du = delta + u * RH;
+            for (int k = 0; k < RH; k++) du[k] = 0.f;
+            for (int i = 0; i < n; i++)
+                for (int k = 0; k < RH; k++) du[k] += A[((i64)u * n + i) * RH + k] * B[((i64)u * n + i) * RH + k];
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < H; h++) {
+                    const i64 row = ((i64)r * N + ta + u) * H + h;
+                    const float a = a0[u * RH + r * H + h];
+                    float b0 = 0.f;
+                    if (o0) {
+                        const i64 at = ((i64)r * N + ta + u) * d + h * W;
+                        b0 = dot(gout + at, o0 + at, W);
+                        du[r * H + h] += a * b0;
+#pragma omp simd
+                        for (int c = 0; c < W; c++) do0[at + c] = a * gout[at + c];
+                    }
+                    if (glse) du[r * H + h] -= glse[row];
+                    if (o0) dlse0[row] = a * (b0 - du[r * H + h]);
+                }
+        }
+        /* pass 2: each source's gradient, written once (summed over readers), and dρ, dq */
+        for (int i = 0; i < n; i++)
+            for (int u = 0; u < T; u++) {
+                const i64 t = ta + u;
+                const float *v = srcs[i] + t * d;
+                const float rho = rms ? rms[i][t] : 1.f;
+                const i64 at = ((i64)u * n + i) * RH;
+                float *dv = dsrc[i] + t * d;
+                memset(dv, 0, sizeof(float) * d);
+                float drho = 0.f;
+                for (int r = 0; r < R; r++) {
+                    const float *qr = per_token ? q + t * d : q + (i64)r * d;
+                    const float *g = gout + ((i64)r * N + t) * d;
+                    float *dqr = per_token ? dq_tok + t * d : dq_tile + (i64)r * d;
+                    for (int h = 0; h < H; h++) {
+                        const int k = r * H + h;
+                        float ds = A[at + k] * (B[at + k] - delta[u * RH + k]); /* dL/dt, then dL/ds */
+                        if (use_sigmoid) ds *= SG[at + k];
+                        drho += ds * QV[at + k];
+                        axpy(dv + h * W, A[at + k], g + h * W, W);       /* value path */
+                        axpy(dv + h * W, ds * rho, qr + h * W, W);       /* key path */
+                        axpy(dqr + h * W, ds * rho, v + h * W, W);       /* query gradient */
+                    }
+                }
+                if (drms) drms[i][t] = drho;
+            }
+        if (!per_token)
+            for (int c = 0; c < R * d; c++) dq_static[c] += dq_tile[c];
+    }
+    return 0;
+}
+
+/* 1/rms of each row of x (N, d): rho[t] = (mean x² + eps)^(-1/2). */
+int attnres_inv_rms_forward(const float *x, float *rho, i64 N, int d, float eps) {
+    for (i64 t = 0; t < N; t++) rho[t] = 1.f / sqrtf(dot(x + t * d, x + t * d, d) / d + eps);
+    return 0;
+}
+
+/* dx = dρ · ∂ρ/∂x = −dρ · ρ³ · x / d. */
+int attnres_inv_rms_backward(const float *x, const float *rho, const float *drho, float *dx, i64 N, int d) {
+    for (i64 t = 0; t < N; t++) {
+        const float coef = -drho[t] * rho[t] * rho[t] * rho[t] / d;
+        const float *xt = x + t * d;
+        float *o = dx + t * d;
+#pragma omp simd
+        for (int c = 0; c < d; c++) o[c] = coef * xt[c];
+    }
+    return 0;
+}

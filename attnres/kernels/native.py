@@ -1,0 +1,108 @@
+"""Build and load the C kernels of the CPU path (`csrc/*.c`), once per machine, with the system C
+compiler; called through ctypes.
+
+Why plain C through ctypes rather than a PyTorch C++ extension: the kernels take raw float
+pointers and need nothing from ATen, so they compile in well under a second with `cc` alone (a
+C++ extension compiles torch's headers for a minute and needs ninja), and the core keeps its rule
+of importing torch (and optionally Triton) only. Triton itself needs the same C compiler for its
+launchers, so a machine that runs the GPU path can build these too.
+
+Cache: `$ATTNRES_CACHE_DIR`, else `$XDG_CACHE_HOME/attnres/kernels`, else `~/.cache/attnres/kernels`. The file
+name carries a hash of the source, the flags, the compiler's version and this CPU's feature
+flags (the build uses -march=native), so a shared home directory on a mixed cluster never hands
+one node another's binary. Builds write to a temporary name and rename, so concurrent jobs of a
+multirun never load a half-written library.
+
+If there is no compiler, or the build fails, `load` returns None and `why_unavailable` says why:
+the automatic backend then uses the PyTorch path (attnres.kernels).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+CSRC = Path(__file__).with_name("csrc")
+# Reassociation lets the compiler vectorise the dot products' reductions (the rounding differs
+# from a sequential sum as a BLAS's does); NaN and infinity semantics are kept (-inf is a real
+# value here: exp(-inf) = 0), so no -ffast-math.
+FLAGS = [
+    "-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+    "-fno-trapping-math", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC",
+]
+
+_loaded: dict[str, Optional[ctypes.CDLL]] = {}
+_errors: dict[str, str] = {}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("ATTNRES_CACHE_DIR"):
+        return Path(os.environ["ATTNRES_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnres" / "kernels"
+
+
+def compiler() -> Optional[str]:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(name: str, cc: str) -> Path:
+    source = CSRC / f"{name}.c"
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(name: str) -> Optional[ctypes.CDLL]:
+    """The compiled library csrc/<name>.c (built on first use), or None if it cannot be built."""
+    if name in _loaded:
+        return _loaded[name]
+    lib = None
+    cc = compiler()
+    if os.environ.get("ATTNRES_NATIVE", "1") == "0":
+        _errors[name] = "ATTNRES_NATIVE=0"
+    elif cc is None:
+        _errors[name] = "no C compiler found (set CC, or install cc/gcc/clang)"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(name, cc)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            _errors[name] = str(err)
+    _loaded[name] = lib
+    return lib
+
+
+def why_unavailable(name: str) -> Optional[str]:
+    """Why `load(name)` returned None (None if it loaded or was not tried)."""
+    return _errors.get(name)

@@ -1,0 +1,128 @@
+"""The C kernels of the CPU path around their math (tested in test_kernels.py): when they are
+chosen, how they are built and cached, what happens without a compiler, and that splitting tokens
+across threads does not change the result."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnres import DecoderLM, ModelConfig, ResidualConfig, kernels
+from attnres.kernels import cpu_kernels, native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in ("ATTNRES_KERNEL", "CC")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, cwd=ROOT, timeout=300)
+
+
+def test_auto_chooses_the_c_kernels_for_fp32_cpu_only():
+    x = torch.zeros(2, 3, 8)
+    kernels.set_backend(None)
+    assert kernels.use_fused(x)
+    assert not kernels.use_fused(x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not kernels.use_fused(x)
+    kernels.set_backend("torch")
+    try:
+        assert not kernels.use_fused(x)
+    finally:
+        kernels.set_backend(None)
+
+
+def test_cpu_backend_refuses_what_it_cannot_read():
+    kernels.set_backend("cpu")
+    try:
+        with pytest.raises(RuntimeError, match="fp32 CPU tensors"):
+            kernels.use_fused(torch.zeros(2, 8, dtype=torch.float64))
+    finally:
+        kernels.set_backend(None)
+    with pytest.raises(ValueError, match="contiguous fp32 CPU tensors"):
+        cpu_kernels.inv_rms_forward(torch.zeros(8, 4).t(), 1e-6)
+
+
+def test_build_is_cached_per_machine(tmp_path):
+    """First use compiles one library into the cache; a second process loads it as it is."""
+    code = "from attnres.kernels import cpu_kernels; assert cpu_kernels.available(); print('ok')"
+    first = _python(code, ATTNRES_CACHE_DIR=str(tmp_path))
+    assert first.returncode == 0 and "ok" in first.stdout, first.stderr
+    built = list(tmp_path.glob("depth_read-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    second = _python(code, ATTNRES_CACHE_DIR=str(tmp_path))
+    assert second.returncode == 0, second.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [built[0].name]  # no temporary left, no rebuild
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_says_why(tmp_path):
+    code = r"""
+import torch
+from attnres import DecoderLM, ModelConfig, ResidualConfig, kernels
+x = torch.zeros(2, 8)
+print("fused:", kernels.use_fused(x))
+m = DecoderLM(ModelConfig(d_model=16, layers=2, n_heads=2, max_seq_len=8), ResidualConfig(name="block", block_size=2))
+_, loss = m(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
+loss.backward()
+kernels.set_backend("cpu")
+try:
+    kernels.use_fused(x)
+except RuntimeError as e:
+    print("refused:", e)
+"""
+    out = _python(code, CC=str(tmp_path / "no-such-cc"), ATTNRES_CACHE_DIR=str(tmp_path / "cache"))
+    assert out.returncode == 0, out.stderr
+    assert "fused: False" in out.stdout
+    assert "refused: the C kernels (ATTNRES_KERNEL=cpu) could not be built" in out.stdout
+    assert "no-such-cc" in out.stdout  # the reason names the compiler that was tried
+
+
+def test_threads_split_tokens_without_changing_the_result():
+    """Two token ranges on two threads against one range, fp32: outputs and source gradients to
+    1e-6 (a token at a range's end may fall in a vector loop's tail instead of its body, which
+    contracts multiply-adds differently), the static-query gradient, summed over tokens in other
+    groups, to 1e-5 relative."""
+    g = torch.Generator().manual_seed(0)
+    N, d, R = 1000, 32, 3
+    srcs = [torch.randn(N, d, generator=g) for _ in range(5)]
+    rms = [cpu_kernels.inv_rms_forward(s, 1e-6) for s in srcs]
+    q = torch.randn(R, d, generator=g)
+    grad = torch.randn(R, N, d, generator=g)
+    results = {}
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert len(cpu_kernels._ranges(N)) == threads
+            out, lse = cpu_kernels.read_forward(srcs, rms, q, None, None, 1, False, False, torch.float32)
+            results[threads] = (out, lse, *cpu_kernels.read_backward(srcs, rms, q, None, None, lse, grad, None, 1, False, False)[:3])
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(results[1][:4], results[2][:4]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[1][4], results[2][4], rtol=1e-5, atol=1e-5)
+
+
+def test_the_default_cpu_model_runs_the_c_kernels():
+    """The fused path is the default on CPU: a Block model's reads go through the C kernels."""
+    calls = []
+    original = cpu_kernels.read_forward
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return original(*args, **kw)
+
+    kernels.set_backend(None)
+    cpu_kernels.read_forward = counting
+    try:
+        m = DecoderLM(ModelConfig(d_model=16, layers=2, n_heads=2, max_seq_len=8), ResidualConfig(name="block", block_size=2))
+        m(torch.randint(0, 256, (2, 8)))
+    finally:
+        cpu_kernels.read_forward = original
+    assert calls, "the default CPU path did not call the C kernels"
+    assert native.why_unavailable("depth_read") is None
