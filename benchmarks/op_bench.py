@@ -9,8 +9,9 @@ for the sublayers); every sublayer l reads its Block AttnRes sources [b_0..b_{n-
 (partial sums formed as the model forms them) with its own pseudo-query and key-norm gain, and the
 output read covers all blocks. Backward runs from a fixed random gradient on every read's output
 to the sources, queries and gains. Implementations:
-- fused two-phase: this project's Triton kernels, Algorithm 1 (phase 1 per block, phase-2 merges);
-- fused per read: the same kernel, one launch per sublayer;
+- fused two-phase: this project's fused kernels (Triton on GPU, C on CPU), Algorithm 1 (phase 1
+  per block, phase-2 merges);
+- fused per read: the same kernel, one call per sublayer;
 - torch path two-phase / per read: this project's PyTorch path (what runs on CPU);
 - reference eager: `attnres.depth_read` per sublayer (stack, normalise, score, softmax, mix);
 - reference compiled: `torch.compile(depth_read)`;
@@ -161,6 +162,9 @@ def main(argv=None):
     if cuda and kernels.triton_available():
         impls["fused two-phase"] = ours("triton", "two_phase", S)
         impls["fused per read"] = ours("triton", "per_read", S)
+    elif not cuda and dtype == torch.float32 and kernels.cpu_kernels_available():
+        impls["fused two-phase"] = ours("cpu", "two_phase", S)
+        impls["fused per read"] = ours("cpu", "per_read", S)
     impls["torch path two-phase"] = ours("torch", "two_phase", S)
     impls["torch path per read"] = ours("torch", "per_read", S)
     impls["reference eager"] = reference(depth_read, S)

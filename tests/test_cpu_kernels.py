@@ -85,8 +85,8 @@ except RuntimeError as e:
 def test_threads_split_tokens_without_changing_the_result():
     """Two token ranges on two threads against one range, fp32: outputs and source gradients to
     1e-6 (a token at a range's end may fall in a vector loop's tail instead of its body, which
-    contracts multiply-adds differently), the static-query gradient, summed over tokens in other
-    groups, to 1e-5 relative."""
+    contracts multiply-adds differently), the static-query gradient, summed in fp32 over tiles of
+    64 tokens that the split groups differently, to 5e-5 relative."""
     g = torch.Generator().manual_seed(0)
     N, d, R = 1000, 32, 3
     srcs = [torch.randn(N, d, generator=g) for _ in range(5)]
@@ -105,7 +105,7 @@ def test_threads_split_tokens_without_changing_the_result():
         torch.set_num_threads(before)
     for a, b in zip(results[1][:4], results[2][:4]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(results[1][4], results[2][4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1][4], results[2][4], rtol=5e-5, atol=5e-5)
 
 
 def test_the_default_cpu_model_runs_the_c_kernels():

@@ -18,7 +18,7 @@ import torch
 from . import native
 
 _MIN_TOKENS_PER_THREAD = 256
-_TT = 16  # tokens per tile: TT in csrc/depth_read.c
+_TT = 64  # tokens per tile: TT in csrc/depth_read.c
 _lib = None
 _pool: Optional[ThreadPoolExecutor] = None
 _P = ctypes.c_void_p
@@ -38,7 +38,7 @@ def _library():
             return None
         lib.attnres_read_forward.argtypes = [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _I64, _I64, _P]
         lib.attnres_read_backward.argtypes = [
-            _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _I64, _I64, _P,
+            _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _I64, _I64, _P,
         ]
         lib.attnres_inv_rms_forward.argtypes = [_P, _P, _I64, _INT, ctypes.c_float]
         lib.attnres_inv_rms_backward.argtypes = [_P, _P, _P, _P, _I64, _INT]
@@ -107,13 +107,15 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     return (out if out_dtype == torch.float32 else out.to(out_dtype)), lse
 
 
-def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token):
+def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token, fold_rms=False):
+    """As triton_kernels.read_backward; with fold_rms the key norm's gradient is added to the
+    sources' (d_inv_rms is None), in the kernel."""
     lib = _need()
     R, N, d = grad_out.shape
     n = len(sources)
     _check([*sources, *inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse], "depth read backward")
     dsrc = torch.empty(n, N, d, dtype=torch.float32)
-    drms = torch.empty(n, N, dtype=torch.float32) if inv_rms else None
+    drms = torch.empty(n, N, dtype=torch.float32) if inv_rms and not fold_rms else None
     has_init = init_out is not None
     do0 = torch.empty(R, N, d, dtype=torch.float32) if has_init else None
     dlse0 = torch.empty(R, N, heads, dtype=torch.float32) if has_init else None
@@ -131,7 +133,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
             src, rms, n, query.data_ptr(), int(per_token), _ptr(init_out), _ptr(init_lse), lse.data_ptr(),
             grad_out.data_ptr(), _ptr(grad_lse), dsrc_p, drms_p, _ptr(dq_tok),
             None if dq_static is None else dq_static[j].data_ptr(), _ptr(do0), _ptr(dlse0),
-            N, d, heads, R, int(sigmoid), t0, t1, scratch[j].data_ptr(),
+            N, d, heads, R, int(sigmoid), int(fold_rms), t0, t1, scratch[j].data_ptr(),
         )
 
     _run([call(j, *r) for j, r in enumerate(ranges)])

@@ -120,13 +120,15 @@ def _backward(ctx, grad_out, grad_lse, eager: bool = False):
     if grad_out is None:
         R, N, H = lse.shape
         grad_out = lse.new_zeros(R, N, query.shape[-1], dtype=ctx.out_dtype)
-    run = _kernels(query).read_backward if eager else depth_read_backward_op
-    dsrc, drms, dq, do0, dlse0 = run(
-        sources, inv_rms, query, init_out, init_lse, lse, grad_out.contiguous(),
-        None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token,
-    )
+    args = (sources, inv_rms, query, init_out, init_lse, lse, grad_out.contiguous(),
+            None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token)
+    fold = getattr(ctx, "fold_rms", False)
+    if eager:
+        dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args, fold_rms=fold)
+    else:
+        dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(*args)
     d_sources = list(dsrc.unbind(0)) if n else []
-    d_rms = list(drms.unbind(0)) if k else []
+    d_rms = list(drms.unbind(0)) if k and not fold else [None] * k
     return (
         d_sources, d_rms, dq.to(query.dtype),
         do0 if ctx.has_init else None, dlse0 if ctx.has_init else None,
@@ -144,24 +146,32 @@ class _EagerRead(torch.autograd.Function):
     the read itself in a small model; torch.compile needs the operator and gets it (`read`)."""
 
     @staticmethod
-    def forward(ctx, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, n, *tensors):
+    def forward(ctx, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms, n, *tensors):
         inputs = (list(tensors[:n]), list(tensors[n:]), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
         output = _kernels(query).read_forward(*inputs)
         _setup(ctx, inputs, output)
+        ctx.fold_rms = fold_rms
         return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         d_sources, d_rms, dq, do0, dlse0, *_ = _backward(ctx, grad_out, grad_lse, eager=True)
-        return (dq, do0, dlse0, None, None, None, None, None, *d_sources, *d_rms)
+        return (dq, do0, dlse0, None, None, None, None, None, None, *d_sources, *d_rms)
 
 
-def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
+def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms=False):
     """`depth_read_op` (same arguments, same results): the operator when torch.compile traces, a
-    plain autograd.Function around the same kernels in eager mode."""
+    plain autograd.Function around the same kernels in eager mode.
+
+    fold_rms (eager only): `inv_rms` are the sources' own 1/rms, computed outside autograd
+    (`inv_rms_values`); the backward adds the key norm's gradient to the sources' gradients. One
+    autograd node per read instead of one more per source and a second gradient tensor to
+    accumulate for each (the sum over readers is the same)."""
     if torch.compiler.is_compiling():
+        if fold_rms:
+            raise RuntimeError("fold_rms is for eager mode; under torch.compile the 1/rms must be inv_rms(...) outputs")
         return depth_read_op(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
-    return _EagerRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, len(sources), *sources, *inv_rms)
+    return _EagerRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms, len(sources), *sources, *inv_rms)
 
 
 @torch.library.custom_op("attnres::inv_rms", mutates_args=())
@@ -217,3 +227,9 @@ def inv_rms(x: Tensor, eps: float) -> Tensor:
     if torch.compiler.is_compiling():
         return inv_rms_op(x, eps)
     return _EagerInvRms.apply(x, eps)
+
+
+def inv_rms_values(x: Tensor, eps: float) -> Tensor:
+    """1/rms of each row without autograd: for reads with fold_rms (see `read`)."""
+    with torch.no_grad():
+        return _kernels(x).inv_rms_forward(x, eps)

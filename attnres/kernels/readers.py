@@ -211,6 +211,14 @@ class FusedReader(_ReaderBase):
         super().__init__(res, x, want_weights, two_phase)
         self.fixed_store = not x.is_cuda and backend() != "triton"  # the C kernels: fp32 only
         self.store = torch.float32 if self.fixed_store else None  # storage type of the sources
+        # C kernels in eager mode: 1/rms outside autograd, its gradient folded into each read's
+        # backward (ops.read); the sources are then exactly the tensors their 1/rms was taken of.
+        self.fold_rms = self.fixed_store and not torch.compiler.is_compiling()
+
+    def rms(self, v: torch.Tensor) -> torch.Tensor:
+        from . import ops
+
+        return ops.inv_rms_values(v, self.res.eps) if self.fold_rms else ops.inv_rms(v, self.res.eps)
 
     def stored(self, v: torch.Tensor) -> torch.Tensor:
         v = self.flat(v)
@@ -225,12 +233,10 @@ class FusedReader(_ReaderBase):
         return v.contiguous()
 
     def add(self, v: torch.Tensor) -> None:
-        from . import ops
-
         stored = self.stored(v)
         # 1/rms from the value as it arrived (an fp32 embedding before a cast to bf16 storage)
         keys = stored if stored.dtype == torch.float32 else self.flat(v).contiguous()
-        rho = ops.inv_rms(keys, self.res.eps) if self.res.key_norm else None
+        rho = self.rms(keys) if self.res.key_norm else None
         self.completed.append(_Source(stored, len(self.completed), rho))
 
     def _op(self, sources, rhos, q, init=None, out_dtype=None, per_token=False):
@@ -241,7 +247,7 @@ class FusedReader(_ReaderBase):
         o0, lse0 = init if init is not None else (None, None)
         return ops.read(
             sources, [r for r in rhos if r is not None], q.contiguous(), o0, lse0, self.H, self.sigmoid,
-            per_token, out_dtype or self.dtype,
+            per_token, out_dtype or self.dtype, self.fold_rms,
         )
 
     def _weights(self, sources, rhos, q) -> torch.Tensor:
@@ -258,7 +264,7 @@ class FusedReader(_ReaderBase):
         if partial is not None:
             partial = self.stored(partial)
             sources.append(partial)
-            rhos.append(ops.inv_rms(partial, self.res.eps) if self.res.key_norm else None)
+            rhos.append(self.rms(partial) if self.res.key_norm else None)
         out, _ = self._op(sources, rhos, q, per_token=q.dim() == 2)
         return out[0], (self._weights(sources, rhos, q) if self.want_weights else None)
 
@@ -279,6 +285,6 @@ class FusedReader(_ReaderBase):
         if not extras:
             return o.to(self.dtype), weights
         us = [self.stored(src.v) for src in extras]
-        rhos = [src.rho if src.rho is not None or not self.res.key_norm else ops.inv_rms(u, self.res.eps) for src, u in zip(extras, us)]
+        rhos = [src.rho if src.rho is not None or not self.res.key_norm else self.rms(u) for src, u in zip(extras, us)]
         out, _ = self._op(us, rhos, self.q_all[l], init=(o.unsqueeze(0), lse.unsqueeze(0)))
         return out[0], weights

@@ -28,12 +28,27 @@ Speed without changing the math (on CPU what costs time here is layout, not arit
 - Sinkhorn-Knopp runs with the n×n matrices token-last, (n, n, tokens), where row and column sums
   are sums of contiguous vectors; its backward is the exact gradient of the same iterations,
   recomputed from the input rather than storing 2·iters intermediate matrices.
+
+Two paths, one math. For fp32 CPU tensors mHC runs on the C kernels of
+attnres/kernels/csrc/streams.c (the "C path"), whenever they build and the kernel backend is
+"auto" or "cpu" (`attnres.kernels.set_backend`, ATTNRES_KERNEL); everything else (float64, CUDA,
+CPU autocast, torch.compile tracing, backend "torch", no C compiler) takes the PyTorch path
+above, which is also the reference the C path is tested against. Why a second path: on CPU the
+PyTorch path is dominated by the dispatch of ~200 tiny tensor ops per sublayer, not by
+arithmetic. The C path keeps the state as one (..., n, d) tensor and runs each sublayer as one
+autograd step (`_UpdateThenMix`): the update of the previous sublayer (H' = post·v + res·H) and
+the mix of this one (the projection, as one matmul of vec H, then rstd, gates, Sinkhorn and the
+pre-mix h, per token in C). So H' has a single consumer and its gradient is written once, by
+one kernel, instead of being summed over autograd branches.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
+from .. import kernels
+from ..kernels import cpu_streams
 from .base import Residual
 
 
@@ -76,11 +91,48 @@ class _Sinkhorn(torch.autograd.Function):
         return g * m0, None
 
 
+class _SinkhornNative(torch.autograd.Function):
+    """Sinkhorn-Knopp on (..., n, n) fp32 CPU logits by the C kernels (same iterations, same
+    gradient as `_Sinkhorn`)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
+        ctx.save_for_backward(logits)
+        ctx.iters = iters
+        return cpu_streams.sinkhorn_forward(logits, iters)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        return cpu_streams.sinkhorn_backward(logits, grad.contiguous(), ctx.iters), None
+
+
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Project exp(logits) (..., n, n) towards the doubly stochastic matrices by alternately
     normalising rows and columns (Sinkhorn-Knopp). The max is subtracted first for range only."""
+    if native_streams(logits):
+        return _SinkhornNative.apply(logits.contiguous(), iters)
     tokens_last = logits.movedim((-2, -1), (0, 1)).contiguous()
     return _Sinkhorn.apply(tokens_last, iters).movedim((0, 1), (-2, -1))
+
+
+def native_streams(*tensors: torch.Tensor) -> bool:
+    """Whether mHC runs on the C kernels for these tensors: fp32 on the CPU, outside CPU autocast
+    and torch.compile tracing, the kernel backend "auto" or "cpu", and the library built (with
+    backend "cpu" a library that cannot be built is an error rather than a silent fallback)."""
+    if torch.compiler.is_compiling():
+        return False
+    mode = kernels.backend()
+    if mode not in ("auto", "cpu") or torch.is_autocast_enabled("cpu"):
+        return False
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    if cpu_streams.available():
+        return True
+    if mode == "cpu":
+        raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) could not be built: {cpu_streams.why_unavailable()}")
+    return False
 
 
 def pairwise_mean(streams: torch.Tensor, dim: int) -> torch.Tensor:
@@ -168,6 +220,95 @@ def _as_streams(H):
     return list(H.unbind(-2)) if torch.is_tensor(H) else list(H)
 
 
+# ---- the C path: the state as one (..., n, d) tensor, one autograd step per sublayer ----------
+
+
+def _mix_native(ctx, H, w, gates, bias):
+    """Forward of the mix on the C kernels: h, post, res of streams H; saves what its backward
+    needs on ctx (proj and rstd: 2n + n² + 1 floats per token; the rest is recomputed)."""
+    n, d = H.shape[-2], H.shape[-1]
+    proj = torch.mm(H.view(H.numel() // (n * d), n * d), w)
+    rstd, h, _, post, res = cpu_streams.mix_forward(H, proj, gates, bias, ctx.iters, ctx.eps)
+    return proj, rstd, h, post, res
+
+
+def _mix_native_backward(ctx, H, proj, rstd, w, gates, bias, dh, dpost, dres, gH):
+    """The gradient reaching H (gH, what it receives elsewhere, included) and those of w, the
+    gates and the bias."""
+    n, d = H.shape[-2], H.shape[-1]
+    G, dproj, dgates, dbias = cpu_streams.mix_backward(
+        H, proj, rstd, gates, bias, _dense(dh), _dense(dpost), _dense(dres), _dense(gH), ctx.iters)
+    flat = G.view(dproj.shape[0], n * d)
+    torch.addmm(flat, dproj, w.t(), out=flat)  # in place; addmm_ would be invisible to FlopCounterMode
+    # dprojᵀ @ H, transposed back (a view): this orientation is the faster matmul here
+    dw = dproj.t().mm(H.view(dproj.shape[0], n * d)).t() if ctx.needs_w else None
+    return G, dw, dgates, dbias
+
+
+def _dense(t):
+    return None if t is None else t.contiguous()
+
+
+class _Mix(torch.autograd.Function):
+    """The first sublayer's mix: (h, post, res) of the streams H (..., n, d), w = g ∘ φ (n·d, m)."""
+
+    @staticmethod
+    def forward(ctx, H, w, gates, bias, iters: int, eps: float):
+        ctx.set_materialize_grads(False)
+        ctx.iters, ctx.eps, ctx.needs_w = iters, eps, ctx.needs_input_grad[1]
+        proj, rstd, h, post, res = _mix_native(ctx, H, w, gates, bias)
+        ctx.save_for_backward(H, proj, rstd, w, gates, bias)
+        return h, post, res
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dh, dpost, dres):
+        H, proj, rstd, w, gates, bias = ctx.saved_tensors
+        return (*_mix_native_backward(ctx, H, proj, rstd, w, gates, bias, dh, dpost, dres, None), None, None)
+
+
+class _UpdateThenMix(torch.autograd.Function):
+    """H = post·v + res·Hp (the previous sublayer's update), then this sublayer's mix of H:
+    returns (H, h, post', res')."""
+
+    @staticmethod
+    def forward(ctx, Hp, v, post, res, w, gates, bias, iters: int, eps: float):
+        ctx.set_materialize_grads(False)
+        ctx.iters, ctx.eps, ctx.needs_w = iters, eps, ctx.needs_input_grad[4]
+        v = v.contiguous()
+        H = cpu_streams.update_forward(Hp, v, post, res)
+        proj, rstd, h, post_next, res_next = _mix_native(ctx, H, w, gates, bias)
+        ctx.save_for_backward(Hp, v, post, res, H, proj, rstd, w, gates, bias)
+        return H, h, post_next, res_next
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dH, dh, dpost_next, dres_next):
+        Hp, v, post, res, H, proj, rstd, w, gates, bias = ctx.saved_tensors
+        G, dw, dgates, dbias = _mix_native_backward(ctx, H, proj, rstd, w, gates, bias, dh, dpost_next, dres_next, dH)
+        dHp, dv, dpost, dres = cpu_streams.update_backward(G, Hp, v, post, res)
+        return dHp, dv, dpost, dres, dw, dgates, dbias, None, None
+
+
+class _Update(torch.autograd.Function):
+    """The last sublayer's update alone: H = post·v + res·Hp."""
+
+    @staticmethod
+    def forward(ctx, Hp, v, post, res):
+        ctx.set_materialize_grads(False)
+        v = v.contiguous()
+        ctx.save_for_backward(Hp, v, post, res)
+        return cpu_streams.update_forward(Hp, v, post, res)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dH):
+        Hp, v, post, res = ctx.saved_tensors
+        if dH is None:
+            return None, None, None, None
+        return cpu_streams.update_backward(dH.contiguous(), Hp, v, post, res)
+
+
 class HyperConnections(Residual):
     def __init__(self, d_model: int, num_layers: int, streams: int = 4, eps: float = 1e-6):
         super().__init__(d_model, num_layers)
@@ -245,7 +386,13 @@ class ManifoldHyperConnections(Residual):
         res = sinkhorn((a_res * x[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n)), self.sinkhorn_iters)
         return pre, post, res
 
+    def _folded_weight(self, l: int) -> torch.Tensor:
+        """g ∘ φ_l (n·d, 2n + n²): the RMSNorm gain folded into the projection."""
+        return self.norms[l].weight.unsqueeze(-1) * self.phi[l]
+
     def stream(self, embedding, sublayers, want_weights):
+        if native_streams(embedding, self.phi, self.gates, self.bias):
+            return self._stream_native(embedding, sublayers), None
         # Streams start as copies of the embedding (views: one tensor passed n times to an
         # autograd.Function is something torch.compile cannot trace).
         H = [embedding.view_as(embedding) for _ in range(self.streams)]
@@ -259,6 +406,22 @@ class ManifoldHyperConnections(Residual):
         for Hj in H[1:]:
             out = out + Hj
         return out, None
+
+    def _stream_native(self, embedding, sublayers):
+        """The C path (module docstring): the same function as the PyTorch path of `stream`."""
+        n, d, L = self.streams, self.d_model, len(sublayers)
+        iters, eps = self.sinkhorn_iters, [norm.eps for norm in self.norms]
+        H = embedding.unsqueeze(-2).expand(*embedding.shape[:-1], n, d).contiguous()
+        h, post, res = _Mix.apply(H, self._folded_weight(0), self.gates[0], self.bias[0], iters, eps[0])
+        for l, f in enumerate(sublayers):
+            v = f(h)
+            self.observe(h, v)
+            if l + 1 < L:
+                H, h, post, res = _UpdateThenMix.apply(
+                    H, v, post, res, self._folded_weight(l + 1), self.gates[l + 1], self.bias[l + 1], iters, eps[l + 1])
+            else:
+                H = _Update.apply(H, v, post, res)
+        return H.sum(-2)
 
     def visibility(self):
         raise NotImplementedError("mHC has no depth weights over sources")

@@ -40,6 +40,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int w)
     return s;
 }
 
+/* Ask for the row a tile ahead: within a tile the loops jump between sources every TT rows,
+ * runs too short for the hardware prefetcher to ramp up on, and the sources are usually out of
+ * cache by the time a read (or its backward) comes. */
+static inline void prefetch_row(const float *row, int d) {
+    for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c, 0, 1);
+}
+
 static inline void axpy(float *restrict y, float a, const float *restrict x, int w) {
 #pragma omp simd
     for (int c = 0; c < w; c++) y[c] += a * x[c];
@@ -96,7 +103,7 @@ static inline float log_f(float x) { /* x > 0, finite */
 
 static inline float log_sigmoid(float s) { return min_f(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
 
-#define TT 16 /* tokens per tile */
+#define TT 64 /* tokens per tile */
 
 /* Forward. srcs: n pointers to (N, d); rms: n pointers to (N,) or NULL (raw keys); q: (R, d)
  * static queries, or (N, d) per token (R = 1); o0 (R, N, d) and lse0 (R, N, H), or NULL;
@@ -114,6 +121,7 @@ int attnres_read_forward(const float *const *srcs, const float *const *rms, int 
             for (int u = 0; u < T; u++) {
                 const i64 t = ta + u;
                 const float *v = srcs[i] + t * d;
+                if (t + TT < t1) prefetch_row(v + TT * d, d);
                 const float rho = rms ? rms[i][t] : 1.f;
                 float *Su = S + ((i64)u * n + i) * RH;
                 for (int r = 0; r < R; r++) {
@@ -188,13 +196,15 @@ int attnres_read_forward(const float *const *srcs, const float *const *rms, int 
 
 /* Backward. Inputs as in the forward, plus lse (R, N, H), gout (R, N, d), glse (R, N, H) or NULL.
  * Outputs: dsrc: n pointers to (N, d), written; drms: n pointers to (N,) or NULL, written;
+ * with fold_rms, drms is not written: the key norm's path ρ(v) is added to dsrc instead
+ * (dv += dρ · ∂ρ/∂v = −dρ·ρ³·v/d), so that 1/rms needs no autograd node of its own;
  * dq: per token (N, d) written, or static (R, d) in double, added to; do0 (R, N, d) and
  * dlse0 (R, N, H) written when o0 is given. scratch: TT·(4·n + 2)·R·H + R·d floats. */
 int attnres_read_backward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
                           const float *o0, const float *lse0, const float *lse, const float *gout,
                           const float *glse, float *const *dsrc, float *const *drms, float *dq_tok, double *dq_static,
-                          float *do0, float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, i64 t0, i64 t1,
-                          float *scratch) {
+                          float *do0, float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, int fold_rms,
+                          i64 t0, i64 t1, float *scratch) {
     const int W = d / H, RH = R * H, nRH = n * RH;
     float *A = scratch;             /* α per (u, i, k), k = r·H + h */
     float *B = A + TT * nRH;        /* g_r · v_i */
@@ -212,10 +222,12 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
             for (int u = 0; u < T; u++) {
                 const i64 t = ta + u;
                 const float *v = srcs[i] + t * d;
+                if (t + TT < t1) prefetch_row(v + TT * d, d);
                 const i64 at = ((i64)u * n + i) * RH;
                 for (int r = 0; r < R; r++) {
                     const float *qr = per_token ? q + t * d : q + (i64)r * d;
                     const float *g = gout + ((i64)r * N + t) * d;
+                    if (i == 0 && t + TT < t1) prefetch_row(g + TT * d, d);
                     for (int h = 0; h < H; h++) {
                         QV[at + r * H + h] = dot(qr + h * W, v + h * W, W);
                         B[at + r * H + h] = dot(g + h * W, v + h * W, W);
@@ -291,7 +303,13 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
                         axpy(dqr + h * W, ds * rho, v + h * W, W);       /* query gradient */
                     }
                 }
-                if (drms) drms[i][t] = drho;
+                if (fold_rms && rms) {
+                    const float coef = -drho * rho * rho * rho / d;
+#pragma omp simd
+                    for (int c = 0; c < d; c++) dv[c] += coef * v[c];
+                } else if (drms) {
+                    drms[i][t] = drho;
+                }
             }
         if (!per_token)
             for (int c = 0; c < R * d; c++) dq_static[c] += dq_tile[c];

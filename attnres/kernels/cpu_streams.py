@@ -1,0 +1,160 @@
+"""The C kernels of mHC's stream mixing (csrc/streams.c) as tensor functions: contiguous fp32 CPU
+tensors in, freshly allocated tensors out. The autograd around them is in
+attnres/residuals/hyper_connections.py; this module only checks, allocates and calls.
+
+The state is one (..., n, d) tensor (per token the n streams, contiguous); `N` below is the
+number of tokens, the product of the leading dimensions. Each function is one call over all
+tokens: at the model's sizes a call costs less than splitting it across threads would gain, and
+the matmuls around it (torch's) use the threads.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import native
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_F32 = ctypes.c_float
+_lib = None
+
+
+def available() -> bool:
+    """Whether csrc/streams.c builds and loads here (built on the first call)."""
+    return _library() is not None
+
+
+def why_unavailable() -> Optional[str]:
+    return native.why_unavailable("streams")
+
+
+def _library():
+    global _lib
+    if _lib is None:
+        lib = native.load("streams")
+        if lib is None:
+            return None
+        lib.mhc_sinkhorn_forward.argtypes = [_P, _P, _I64, _INT, _INT]
+        lib.mhc_sinkhorn_backward.argtypes = [_P, _P, _P, _I64, _INT, _INT]
+        lib.mhc_mix_forward.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _F32]
+        lib.mhc_mix_backward.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT]
+        lib.mhc_update_forward.argtypes = [_P, _P, _P, _P, _P, _I64, _INT, _INT]
+        lib.mhc_update_backward.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT]
+        for f in (lib.mhc_sinkhorn_forward, lib.mhc_sinkhorn_backward, lib.mhc_mix_forward, lib.mhc_mix_backward,
+                  lib.mhc_update_forward, lib.mhc_update_backward):
+            f.restype = _INT
+        _lib = lib
+    return _lib
+
+
+def _need():
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the C kernels of mHC could not be built: {why_unavailable()}")
+    return lib
+
+
+def _check(what: str, *tensors) -> None:
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+            raise ValueError(f"{what}: the C kernels take contiguous fp32 CPU tensors, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return t.data_ptr() if t is not None else None
+
+
+def _done(status: int, what: str) -> None:
+    if status != 0:
+        raise MemoryError(f"{what}: the C kernel could not allocate its scratch")
+
+
+def _tokens(x: torch.Tensor, trailing: int) -> int:
+    size = 1
+    for s in x.shape[: x.dim() - trailing]:
+        size *= s
+    return size
+
+
+def sinkhorn_forward(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """Sinkhorn-Knopp of exp(logits − max) for logits (..., n, n)."""
+    lib = _need()
+    _check("sinkhorn", logits)
+    n = logits.shape[-1]
+    out = torch.empty_like(logits)
+    _done(lib.mhc_sinkhorn_forward(logits.data_ptr(), out.data_ptr(), _tokens(logits, 2), n, iters), "sinkhorn")
+    return out
+
+
+def sinkhorn_backward(logits: torch.Tensor, grad: torch.Tensor, iters: int) -> torch.Tensor:
+    """The gradient of the logits, the iterations recomputed from them."""
+    lib = _need()
+    _check("sinkhorn backward", logits, grad)
+    dlogits = torch.empty_like(logits)
+    _done(lib.mhc_sinkhorn_backward(logits.data_ptr(), grad.data_ptr(), dlogits.data_ptr(), _tokens(logits, 2),
+                                    logits.shape[-1], iters), "sinkhorn backward")
+    return dlogits
+
+
+def mix_forward(H: torch.Tensor, proj: torch.Tensor, gates: torch.Tensor, bias: torch.Tensor, iters: int, eps: float,
+                want_pre: bool = False):
+    """From the streams H (..., n, d) and proj = vec(H) @ (g ∘ φ) (N, 2n + n²): rstd (N,), the
+    pre-mix h (..., d), post (..., n), res (..., n, n), and pre (..., n) if want_pre, else None."""
+    lib = _need()
+    _check("mHC mix", H, proj, gates, bias)
+    n, d = H.shape[-2], H.shape[-1]
+    lead, N = H.shape[:-2], _tokens(H, 2)
+    rstd = torch.empty(N, dtype=torch.float32)
+    h = torch.empty(*lead, d, dtype=torch.float32)
+    pre = torch.empty(*lead, n, dtype=torch.float32) if want_pre else None
+    post = torch.empty(*lead, n, dtype=torch.float32)
+    res = torch.empty(*lead, n, n, dtype=torch.float32)
+    _done(lib.mhc_mix_forward(H.data_ptr(), proj.data_ptr(), gates.data_ptr(), bias.data_ptr(), rstd.data_ptr(),
+                              h.data_ptr(), _ptr(pre), post.data_ptr(), res.data_ptr(), N, n, d, iters, eps), "mHC mix")
+    return rstd, h, pre, post, res
+
+
+def mix_backward(H, proj, rstd, gates, bias, dh, dpost, dres, gH, iters: int):
+    """Gradients of the mix from those of h, post, res (each may be None) and gH, what H receives
+    elsewhere (None: nothing): G (..., n, d), everything H receives except the projection's
+    (G + dproj @ wᵀ is the whole), dproj (N, m), dgates (3,), dbias (m,)."""
+    lib = _need()
+    _check("mHC mix backward", H, proj, rstd, gates, bias, dh, dpost, dres, gH)
+    n, d = H.shape[-2], H.shape[-1]
+    N, m = proj.shape
+    G = torch.empty_like(H)
+    dproj = torch.empty(N, m, dtype=torch.float32)
+    dgates = torch.zeros(3, dtype=torch.float64)
+    dbias = torch.zeros(m, dtype=torch.float64)
+    _done(lib.mhc_mix_backward(H.data_ptr(), proj.data_ptr(), rstd.data_ptr(), gates.data_ptr(), bias.data_ptr(),
+                               _ptr(dh), _ptr(dpost), _ptr(dres), _ptr(gH), G.data_ptr(), dproj.data_ptr(),
+                               dgates.data_ptr(), dbias.data_ptr(), N, n, d, iters), "mHC mix backward")
+    return G, dproj, dgates.float(), dbias.float()
+
+
+def update_forward(Hp: torch.Tensor, v: torch.Tensor, post: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    """H'_i = post_i·v + Σ_j res_ij·H_j for streams Hp (..., n, d), v (..., d), post (..., n),
+    res (..., n, n)."""
+    lib = _need()
+    _check("mHC update", Hp, v, post, res)
+    n, d = Hp.shape[-2], Hp.shape[-1]
+    Hn = torch.empty_like(Hp)
+    _done(lib.mhc_update_forward(Hp.data_ptr(), v.data_ptr(), post.data_ptr(), res.data_ptr(), Hn.data_ptr(),
+                                 _tokens(Hp, 2), n, d), "mHC update")
+    return Hn
+
+
+def update_backward(G, Hp, v, post, res):
+    """From G, the gradient of H': dHp, dv, dpost, dres."""
+    lib = _need()
+    _check("mHC update backward", G, Hp, v, post, res)
+    n, d = Hp.shape[-2], Hp.shape[-1]
+    dHp, dv, dpost, dres = torch.empty_like(Hp), torch.empty_like(v), torch.empty_like(post), torch.empty_like(res)
+    _done(lib.mhc_update_backward(G.data_ptr(), Hp.data_ptr(), v.data_ptr(), post.data_ptr(), res.data_ptr(),
+                                  dHp.data_ptr(), dv.data_ptr(), dpost.data_ptr(), dres.data_ptr(), _tokens(Hp, 2), n, d),
+          "mHC update backward")
+    return dHp, dv, dpost, dres
