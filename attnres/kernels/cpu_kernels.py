@@ -108,8 +108,9 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
 
 
 def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token, fold_rms=False):
-    """As triton_kernels.read_backward; with fold_rms the key norm's gradient is added to the
-    sources' (d_inv_rms is None), in the kernel."""
+    """As triton_kernels.read_backward, except that a merge passes, in the place of init_out, the
+    read's own output (the C backward needs g·out, not the initial state: see csrc/depth_read.c).
+    With fold_rms the key norm's gradient is added to the sources' (d_inv_rms is None)."""
     lib = _need()
     R, N, d = grad_out.shape
     n = len(sources)

@@ -21,10 +21,14 @@ import torch
 from torch import Tensor
 
 
-def _kernels(t: Tensor):
+def _c_kernels(t: Tensor) -> bool:
     from . import backend
 
-    if t.device.type == "cpu" and backend() != "triton":
+    return t.device.type == "cpu" and backend() != "triton"
+
+
+def _kernels(t: Tensor):
+    if _c_kernels(t):
         from . import cpu_kernels
 
         return cpu_kernels
@@ -106,9 +110,13 @@ def _setup(ctx, inputs, output):
     ctx.n_src, ctx.n_rms = len(sources), len(inv_rms)
     ctx.has_init = init_out is not None
     ctx.heads, ctx.sigmoid, ctx.per_token = heads, sigmoid, per_token
-    extra = [init_out, init_lse] if ctx.has_init else []
+    # A merge's backward reads, with the Triton kernels, its initial state o0; with the C kernels,
+    # its own output (Δ = g·out; see csrc/depth_read.c), which is the next sublayer's input and
+    # kept anyway, so that o0, a phase-1 output, need not outlive the forward.
+    state = out if _c_kernels(query) else init_out
+    extra = [state, init_lse] if ctx.has_init else []
     ctx.out_dtype = out.dtype
-    ctx.save_for_backward(*sources, *inv_rms, query, lse, *extra)  # not out: backward does not need it
+    ctx.save_for_backward(*sources, *inv_rms, query, lse, *extra)
 
 
 def _backward(ctx, grad_out, grad_lse, eager: bool = False):

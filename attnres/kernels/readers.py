@@ -283,7 +283,9 @@ class FusedReader(_ReaderBase):
         o, lse = self.phase["o"][i], self.phase["lse"][i]
         weights = self.merge_weights(l, extras) if self.want_weights else None
         if not extras:
-            return o.to(self.dtype), weights
+            # A copy on the C path: a view would keep the chunk's whole phase-1 output alive
+            # through this sublayer's backward (its merges do not keep it, see ops._setup).
+            return (o.clone() if self.fixed_store else o.to(self.dtype)), weights
         us = [self.stored(src.v) for src in extras]
         rhos = [src.rho if src.rho is not None or not self.res.key_norm else self.rms(u) for src, u in zip(extras, us)]
         out, _ = self._op(us, rhos, self.q_all[l], init=(o.unsqueeze(0), lse.unsqueeze(0)))

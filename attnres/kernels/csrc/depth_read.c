@@ -194,14 +194,16 @@ int attnres_read_forward(const float *const *srcs, const float *const *rms, int 
     return 0;
 }
 
-/* Backward. Inputs as in the forward, plus lse (R, N, H), gout (R, N, d), glse (R, N, H) or NULL.
+/* Backward. Inputs as in the forward, except that a merge passes its own output out (R, N, d)
+ * with lse0, not its initial state o0 (see Δ below); plus lse (R, N, H), gout (R, N, d), glse
+ * (R, N, H) or NULL.
  * Outputs: dsrc: n pointers to (N, d), written; drms: n pointers to (N,) or NULL, written;
  * with fold_rms, drms is not written: the key norm's path ρ(v) is added to dsrc instead
  * (dv += dρ · ∂ρ/∂v = −dρ·ρ³·v/d), so that 1/rms needs no autograd node of its own;
  * dq: per token (N, d) written, or static (R, d) in double, added to; do0 (R, N, d) and
  * dlse0 (R, N, H) written when o0 is given. scratch: TT·(4·n + 2)·R·H + R·d floats. */
 int attnres_read_backward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
-                          const float *o0, const float *lse0, const float *lse, const float *gout,
+                          const float *out, const float *lse0, const float *lse, const float *gout,
                           const float *glse, float *const *dsrc, float *const *drms, float *dq_tok, double *dq_static,
                           float *do0, float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, int fold_rms,
                           i64 t0, i64 t1, float *scratch) {
@@ -251,13 +253,16 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
                     const i64 row = ((i64)r * N + ta + u) * H + h;
                     const float l = lse[row];
                     for (int i = 0; i < n; i++) A[((i64)u * n + i) * RH + r * H + h] -= l;
-                    a0[u * RH + r * H + h] = o0 ? lse0[row] - l : -INFINITY;
+                    a0[u * RH + r * H + h] = lse0 ? lse0[row] - l : -INFINITY;
                 }
 #pragma omp simd
         for (int j = 0; j < T * nRH; j++) A[j] = exp_f(A[j]);
 #pragma omp simd
         for (int j = 0; j < T * RH; j++) a0[j] = exp_f(a0[j]);
-        /* Δ = Σ_i α_i b_i (+ the initial state's term) − g_lse */
+        /* Δ = g·out − g_lse. Without an initial state g·out = Σ_i α_i b_i, from the sources.
+         * With one (a merge), out = a0·o0 + Σ_i α_i v_i: g·out is taken from the saved output
+         * (which is the next sublayer's input, kept anyway) and a0·(g·o0) = g·out − Σ_i α_i b_i,
+         * so o0 itself is never needed: a phase-1 read's outputs die with the forward. */
         for (int u = 0; u < T; u++) {
             float *du = delta + u * RH;
             for (int k = 0; k < RH; k++) du[k] = 0.f;
@@ -266,17 +271,19 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
             for (int r = 0; r < R; r++)
                 for (int h = 0; h < H; h++) {
                     const i64 row = ((i64)r * N + ta + u) * H + h;
-                    const float a = a0[u * RH + r * H + h];
-                    float b0 = 0.f;
-                    if (o0) {
+                    const int k = r * H + h;
+                    float a0b0 = 0.f;
+                    if (out) {
                         const i64 at = ((i64)r * N + ta + u) * d + h * W;
-                        b0 = dot(gout + at, o0 + at, W);
-                        du[r * H + h] += a * b0;
+                        const float g_out = dot(gout + at, out + at, W);
+                        a0b0 = g_out - du[k];
+                        du[k] = g_out;
+                        const float a = a0[u * RH + k];
 #pragma omp simd
                         for (int c = 0; c < W; c++) do0[at + c] = a * gout[at + c];
                     }
-                    if (glse) du[r * H + h] -= glse[row];
-                    if (o0) dlse0[row] = a * (b0 - du[r * H + h]);
+                    if (glse) du[k] -= glse[row];
+                    if (out) dlse0[row] = a0b0 - a0[u * RH + k] * du[k];
                 }
         }
         /* pass 2: each source's gradient, written once (summed over readers), and dρ, dq */
