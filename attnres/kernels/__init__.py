@@ -3,8 +3,8 @@
 Which path runs (`use_fused`):
 - `ATTNRES_KERNEL=auto` (default): the Triton kernels for CUDA tensors of type fp32/bf16/fp16 when
   Triton imports; the C kernels (csrc/depth_read.c, built on first use with the system C
-  compiler, see native.py) for fp32 CPU tensors outside CPU autocast; the PyTorch path otherwise
-  (float64, CPU autocast, no compiler, no Triton);
+  compiler, see native.py) for fp32 CPU tensors in eager mode outside CPU autocast; the PyTorch
+  path otherwise (float64, CPU autocast, CPU under torch.compile, no compiler, no Triton);
 - `ATTNRES_KERNEL=triton`: the Triton kernels on any device; on CPU they need TRITON_INTERPRET=1
   set before Triton is first used (that is how the tests run them without a GPU);
 - `ATTNRES_KERNEL=cpu`: the C kernels (fp32 CPU tensors; an error if they cannot be built);
@@ -108,7 +108,9 @@ def use_fused(x: torch.Tensor) -> bool:
 
             raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) could not be built: {native.why_unavailable('depth_read')}")
         return True
-    return cpu_ok and cpu_kernels_available()
+    # Under torch.compile, auto leaves CPU reads to the PyTorch path: Inductor fuses it into the
+    # compiled graph (measured faster than the C kernels behind a custom op, which it cannot fuse).
+    return cpu_ok and not torch.compiler.is_compiling() and cpu_kernels_available()
 
 
 def make_reader(res, x: torch.Tensor, want_weights: bool):
