@@ -23,8 +23,9 @@ Design decisions where the paper is silent:
 
 Speed without changing the math: RMSNorm_l(v)·w_l = (g_l∘w_l)·v / rms(v). Each source's 1/rms is
 computed once, shared by all its readers; sources are never stacked. How the reads run is chosen
-in `attnres.kernels` (see kernels/readers.py): the Triton kernels on CUDA, the PyTorch path
-elsewhere (for static queries, a completed source is scored for all its readers by one matmul);
+in `attnres.kernels` (see kernels/readers.py): the Triton kernels on CUDA, the C kernels on CPU
+in eager mode, the PyTorch path elsewhere (for static queries, a completed source is scored for
+all its readers by one matmul; under torch.compile Inductor fuses it);
 for static queries with block or full sources, the two-phase schedule of the paper's Algorithm 1
 (phase 1 reads the sources completed before a chunk of sublayers once for all of them, phase 2
 merges each sublayer's newer sources by online softmax). Every path and schedule computes the same

@@ -33,11 +33,33 @@
 
 typedef int64_t i64;
 
-static inline float dot(const float *restrict a, const float *restrict b, int w) {
+static inline float dot_n(const float *restrict a, const float *restrict b, int w) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int c = 0; c < w; c++) s += a[c] * b[c];
     return s;
+}
+
+static inline void axpy_n(float *restrict y, float a, const float *restrict x, int w) {
+#pragma omp simd
+    for (int c = 0; c < w; c++) y[c] += a * x[c];
+}
+
+/* The common head widths as compile-time constants: the loops become a few straight vector
+ * instructions instead of a vector loop with run-time trip count and tail (which, with 16-wide
+ * heads, cost more than the arithmetic: a multi-head read does H times as many short products). */
+#define FIXED(w, call) ((w) == 16 ? call(16) : (w) == 32 ? call(32) : (w) == 64 ? call(64) : (w) == 128 ? call(128) : call(w))
+
+static inline float dot(const float *restrict a, const float *restrict b, int w) {
+#define DOT(k) dot_n(a, b, k)
+    return FIXED(w, DOT);
+#undef DOT
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int w) {
+#define AXPY(k) axpy_n(y, a, x, k)
+    FIXED(w, AXPY);
+#undef AXPY
 }
 
 /* Ask for the row a tile ahead: within a tile the loops jump between sources every TT rows,
@@ -45,11 +67,6 @@ static inline float dot(const float *restrict a, const float *restrict b, int w)
  * cache by the time a read (or its backward) comes. */
 static inline void prefetch_row(const float *row, int d) {
     for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c, 0, 1);
-}
-
-static inline void axpy(float *restrict y, float a, const float *restrict x, int w) {
-#pragma omp simd
-    for (int c = 0; c < w; c++) y[c] += a * x[c];
 }
 
 /* exp and log in a form the compiler vectorises (libm's are scalar calls): range reduction to
