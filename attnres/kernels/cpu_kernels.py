@@ -108,14 +108,17 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
 
 
 def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token, fold_rms=False):
-    """As triton_kernels.read_backward, except that a merge passes, in the place of init_out, the
+    """As triton_kernels.read_backward (d_sources a list of (N, d) tensors here), except that a
+    merge passes, in the place of init_out, the
     read's own output (the C backward needs g·out, not the initial state: see csrc/depth_read.c).
     With fold_rms the key norm's gradient is added to the sources' (d_inv_rms is None)."""
     lib = _need()
     R, N, d = grad_out.shape
     n = len(sources)
     _check([*sources, *inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse], "depth read backward")
-    dsrc = torch.empty(n, N, d, dtype=torch.float32)
+    # One tensor per source, not views of one (n, N, d) block: autograd adds a source's later
+    # gradients into its first one in place only when that is a base tensor of its own.
+    dsrc = [torch.empty(N, d, dtype=torch.float32) for _ in range(n)]
     drms = torch.empty(n, N, dtype=torch.float32) if inv_rms and not fold_rms else None
     has_init = init_out is not None
     do0 = torch.empty(R, N, d, dtype=torch.float32) if has_init else None
@@ -126,7 +129,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     per_call = _TT * (4 * n + 2) * R * heads + R * d
     scratch = torch.empty(len(ranges), per_call, dtype=torch.float32)
     src, rms = _ptrs(sources), _ptrs(inv_rms)
-    dsrc_p = _ptrs(list(dsrc.unbind(0)))
+    dsrc_p = _ptrs(dsrc)
     drms_p = _ptrs(list(drms.unbind(0))) if drms is not None else None
 
     def call(j, t0, t1):

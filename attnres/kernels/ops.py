@@ -88,6 +88,8 @@ def depth_read_backward_op(
     def empty():  # distinct placeholders: outputs of a custom op may not alias one another
         return grad_out.new_empty(0, dtype=torch.float32)
 
+    if isinstance(dsrc, list):  # the C kernels' per-source tensors
+        dsrc = torch.stack(dsrc) if dsrc else grad_out.new_empty(0, *grad_out.shape[1:], dtype=torch.float32)
     return dsrc, (drms if drms is not None else empty()), dq, (do0 if do0 is not None else empty()), (dlse0 if dlse0 is not None else empty())
 
 
@@ -135,7 +137,7 @@ def _backward(ctx, grad_out, grad_lse, eager: bool = False):
         dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args, fold_rms=fold)
     else:
         dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(*args)
-    d_sources = list(dsrc.unbind(0)) if n else []
+    d_sources = (list(dsrc) if isinstance(dsrc, list) else list(dsrc.unbind(0))) if n else []
     d_rms = list(drms.unbind(0)) if k and not fold else [None] * k
     return (
         d_sources, d_rms, dq.to(query.dtype),
