@@ -57,16 +57,6 @@ def _ptrs(tensors) -> Optional[ctypes.Array]:
     return (_P * len(tensors))(*[t.data_ptr() for t in tensors]) if len(tensors) else None
 
 
-def _ptr(t: Optional[torch.Tensor]):
-    return t.data_ptr() if t is not None else None
-
-
-def _check(tensors, what: str) -> None:
-    for t in tensors:
-        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
-            raise ValueError(f"{what}: the C kernels take contiguous fp32 CPU tensors, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
-
-
 def _ranges(N: int) -> list[tuple[int, int]]:
     k = max(1, min(torch.get_num_threads(), N // _MIN_TOKENS_PER_THREAD))
     step = -(-N // k)
@@ -90,7 +80,7 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     ref = sources[0] if sources else init_out
     N, d = ref.shape[-2], ref.shape[-1]
     R = 1 if per_token else query.shape[0]
-    _check([*sources, *inv_rms, query, init_out, init_lse], "depth read")
+    native.check_fp32_cpu("depth read", *sources, *inv_rms, query, init_out, init_lse)
     out = torch.empty(R, N, d, dtype=torch.float32)
     lse = torch.empty(R, N, heads, dtype=torch.float32)
     src, rms = _ptrs(sources), _ptrs(inv_rms)
@@ -99,7 +89,7 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
 
     def call(j, t0, t1):
         return lambda: lib.attnres_read_forward(
-            src, rms, len(sources), query.data_ptr(), int(per_token), _ptr(init_out), _ptr(init_lse),
+            src, rms, len(sources), query.data_ptr(), int(per_token), native.ptr(init_out), native.ptr(init_lse),
             out.data_ptr(), lse.data_ptr(), N, d, heads, R, int(sigmoid), t0, t1, scratch[j].data_ptr(),
         )
 
@@ -115,7 +105,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     lib = _need()
     R, N, d = grad_out.shape
     n = len(sources)
-    _check([*sources, *inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse], "depth read backward")
+    native.check_fp32_cpu("depth read backward", *sources, *inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse)
     # One tensor per source, not views of one (n, N, d) block: autograd adds a source's later
     # gradients into its first one in place only when that is a base tensor of its own.
     dsrc = [torch.empty(N, d, dtype=torch.float32) for _ in range(n)]
@@ -134,9 +124,9 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
 
     def call(j, t0, t1):
         return lambda: lib.attnres_read_backward(
-            src, rms, n, query.data_ptr(), int(per_token), _ptr(init_out), _ptr(init_lse), lse.data_ptr(),
-            grad_out.data_ptr(), _ptr(grad_lse), dsrc_p, drms_p, _ptr(dq_tok),
-            None if dq_static is None else dq_static[j].data_ptr(), _ptr(do0), _ptr(dlse0),
+            src, rms, n, query.data_ptr(), int(per_token), native.ptr(init_out), native.ptr(init_lse), lse.data_ptr(),
+            grad_out.data_ptr(), native.ptr(grad_lse), dsrc_p, drms_p, native.ptr(dq_tok),
+            None if dq_static is None else dq_static[j].data_ptr(), native.ptr(do0), native.ptr(dlse0),
             N, d, heads, R, int(sigmoid), int(fold_rms), t0, t1, scratch[j].data_ptr(),
         )
 
@@ -147,7 +137,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
 
 def inv_rms_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
     lib = _need()
-    _check([x], "inv_rms")
+    native.check_fp32_cpu("inv_rms", x)
     N, d = x.shape
     rho = torch.empty(N, dtype=torch.float32)
     lib.attnres_inv_rms_forward(x.data_ptr(), rho.data_ptr(), N, d, eps)
@@ -156,7 +146,7 @@ def inv_rms_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def inv_rms_backward(x: torch.Tensor, rho: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     lib = _need()
-    _check([x, rho, grad], "inv_rms backward")
+    native.check_fp32_cpu("inv_rms backward", x, rho, grad)
     N, d = x.shape
     dx = torch.empty_like(x)
     lib.attnres_inv_rms_backward(x.data_ptr(), rho.data_ptr(), grad.data_ptr(), dx.data_ptr(), N, d)

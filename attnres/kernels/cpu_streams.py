@@ -58,16 +58,6 @@ def _need():
     return lib
 
 
-def _check(what: str, *tensors) -> None:
-    for t in tensors:
-        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
-            raise ValueError(f"{what}: the C kernels take contiguous fp32 CPU tensors, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
-
-
-def _ptr(t: Optional[torch.Tensor]):
-    return t.data_ptr() if t is not None else None
-
-
 def _done(status: int, what: str) -> None:
     if status != 0:
         raise MemoryError(f"{what}: the C kernel could not allocate its scratch")
@@ -83,7 +73,7 @@ def _tokens(x: torch.Tensor, trailing: int) -> int:
 def sinkhorn_forward(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Sinkhorn-Knopp of exp(logits − max) for logits (..., n, n)."""
     lib = _need()
-    _check("sinkhorn", logits)
+    native.check_fp32_cpu("sinkhorn", logits)
     n = logits.shape[-1]
     out = torch.empty_like(logits)
     _done(lib.mhc_sinkhorn_forward(logits.data_ptr(), out.data_ptr(), _tokens(logits, 2), n, iters), "sinkhorn")
@@ -93,7 +83,7 @@ def sinkhorn_forward(logits: torch.Tensor, iters: int) -> torch.Tensor:
 def sinkhorn_backward(logits: torch.Tensor, grad: torch.Tensor, iters: int) -> torch.Tensor:
     """The gradient of the logits, the iterations recomputed from them."""
     lib = _need()
-    _check("sinkhorn backward", logits, grad)
+    native.check_fp32_cpu("sinkhorn backward", logits, grad)
     dlogits = torch.empty_like(logits)
     _done(lib.mhc_sinkhorn_backward(logits.data_ptr(), grad.data_ptr(), dlogits.data_ptr(), _tokens(logits, 2),
                                     logits.shape[-1], iters), "sinkhorn backward")
@@ -105,7 +95,7 @@ def mix_forward(H: torch.Tensor, proj: torch.Tensor, gates: torch.Tensor, bias: 
     """From the streams H (..., n, d) and proj = vec(H) @ (g ∘ φ) (N, 2n + n²): rstd (N,), the
     pre-mix h (..., d), post (..., n), res (..., n, n), and pre (..., n) if want_pre, else None."""
     lib = _need()
-    _check("mHC mix", H, proj, gates, bias)
+    native.check_fp32_cpu("mHC mix", H, proj, gates, bias)
     n, d = H.shape[-2], H.shape[-1]
     lead, N = H.shape[:-2], _tokens(H, 2)
     rstd = torch.empty(N, dtype=torch.float32)
@@ -114,7 +104,7 @@ def mix_forward(H: torch.Tensor, proj: torch.Tensor, gates: torch.Tensor, bias: 
     post = torch.empty(*lead, n, dtype=torch.float32)
     res = torch.empty(*lead, n, n, dtype=torch.float32)
     _done(lib.mhc_mix_forward(H.data_ptr(), proj.data_ptr(), gates.data_ptr(), bias.data_ptr(), rstd.data_ptr(),
-                              h.data_ptr(), _ptr(pre), post.data_ptr(), res.data_ptr(), N, n, d, iters, eps), "mHC mix")
+                              h.data_ptr(), native.ptr(pre), post.data_ptr(), res.data_ptr(), N, n, d, iters, eps), "mHC mix")
     return rstd, h, pre, post, res
 
 
@@ -123,7 +113,7 @@ def mix_backward(H, proj, rstd, gates, bias, dh, dpost, dres, gH, iters: int):
     elsewhere (None: nothing): G (..., n, d), everything H receives except the projection's
     (G + dproj @ wᵀ is the whole), dproj (N, m), dgates (3,), dbias (m,)."""
     lib = _need()
-    _check("mHC mix backward", H, proj, rstd, gates, bias, dh, dpost, dres, gH)
+    native.check_fp32_cpu("mHC mix backward", H, proj, rstd, gates, bias, dh, dpost, dres, gH)
     n, d = H.shape[-2], H.shape[-1]
     N, m = proj.shape
     G = torch.empty_like(H)
@@ -131,7 +121,7 @@ def mix_backward(H, proj, rstd, gates, bias, dh, dpost, dres, gH, iters: int):
     dgates = torch.zeros(3, dtype=torch.float64)
     dbias = torch.zeros(m, dtype=torch.float64)
     _done(lib.mhc_mix_backward(H.data_ptr(), proj.data_ptr(), rstd.data_ptr(), gates.data_ptr(), bias.data_ptr(),
-                               _ptr(dh), _ptr(dpost), _ptr(dres), _ptr(gH), G.data_ptr(), dproj.data_ptr(),
+                               native.ptr(dh), native.ptr(dpost), native.ptr(dres), native.ptr(gH), G.data_ptr(), dproj.data_ptr(),
                                dgates.data_ptr(), dbias.data_ptr(), N, n, d, iters), "mHC mix backward")
     return G, dproj, dgates.float(), dbias.float()
 
@@ -140,7 +130,7 @@ def update_forward(Hp: torch.Tensor, v: torch.Tensor, post: torch.Tensor, res: t
     """H'_i = post_i·v + Σ_j res_ij·H_j for streams Hp (..., n, d), v (..., d), post (..., n),
     res (..., n, n)."""
     lib = _need()
-    _check("mHC update", Hp, v, post, res)
+    native.check_fp32_cpu("mHC update", Hp, v, post, res)
     n, d = Hp.shape[-2], Hp.shape[-1]
     Hn = torch.empty_like(Hp)
     _done(lib.mhc_update_forward(Hp.data_ptr(), v.data_ptr(), post.data_ptr(), res.data_ptr(), Hn.data_ptr(),
@@ -151,7 +141,7 @@ def update_forward(Hp: torch.Tensor, v: torch.Tensor, post: torch.Tensor, res: t
 def update_backward(G, Hp, v, post, res):
     """From G, the gradient of H': dHp, dv, dpost, dres."""
     lib = _need()
-    _check("mHC update backward", G, Hp, v, post, res)
+    native.check_fp32_cpu("mHC update backward", G, Hp, v, post, res)
     n, d = Hp.shape[-2], Hp.shape[-1]
     dHp, dv, dpost, dres = torch.empty_like(Hp), torch.empty_like(v), torch.empty_like(post), torch.empty_like(res)
     _done(lib.mhc_update_backward(G.data_ptr(), Hp.data_ptr(), v.data_ptr(), post.data_ptr(), res.data_ptr(),

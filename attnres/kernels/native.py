@@ -8,7 +8,7 @@ of importing torch (and optionally Triton) only. Triton itself needs the same C 
 launchers, so a machine that runs the GPU path can build these too.
 
 Cache: `$ATTNRES_CACHE_DIR`, else `$XDG_CACHE_HOME/attnres/kernels`, else `~/.cache/attnres/kernels`. The file
-name carries a hash of the source, the flags, the compiler's version and this CPU's feature
+name carries a hash of the source and the headers it includes, the flags, the compiler's version and this CPU's feature
 flags (the build uses -march=native), so a shared home directory on a mixed cluster never hands
 one node another's binary. Builds write to a temporary name and rename, so concurrent jobs of a
 multirun never load a half-written library.
@@ -27,6 +27,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Optional
+
+import torch
 
 CSRC = Path(__file__).with_name("csrc")
 # Reassociation lets the compiler vectorise the dot products' reductions (the rounding differs
@@ -66,7 +68,8 @@ def _cpu_identity() -> str:
 def _build(name: str, cc: str) -> Path:
     source = CSRC / f"{name}.c"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # what the sources include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target
@@ -106,3 +109,17 @@ def load(name: str) -> Optional[ctypes.CDLL]:
 def why_unavailable(name: str) -> Optional[str]:
     """Why `load(name)` returned None (None if it loaded or was not tried)."""
     return _errors.get(name)
+
+
+# --- arguments of the ctypes calls, shared by the wrappers (cpu_kernels.py, cpu_streams.py) -------
+
+def check_fp32_cpu(what: str, *tensors) -> None:
+    """One clear error instead of a crash: the kernels read raw contiguous fp32 memory."""
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+            raise ValueError(f"{what}: the C kernels take contiguous fp32 CPU tensors, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+
+
+def ptr(t: Optional[torch.Tensor]):
+    """The data pointer of t, or None (NULL) for an absent optional argument."""
+    return t.data_ptr() if t is not None else None

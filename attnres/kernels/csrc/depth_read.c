@@ -31,36 +31,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 typedef int64_t i64;
-
-static inline float dot_n(const float *restrict a, const float *restrict b, int w) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int c = 0; c < w; c++) s += a[c] * b[c];
-    return s;
-}
-
-static inline void axpy_n(float *restrict y, float a, const float *restrict x, int w) {
-#pragma omp simd
-    for (int c = 0; c < w; c++) y[c] += a * x[c];
-}
-
-/* The common head widths as compile-time constants: the loops become a few straight vector
- * instructions instead of a vector loop with run-time trip count and tail (which, with 16-wide
- * heads, cost more than the arithmetic: a multi-head read does H times as many short products). */
-#define FIXED(w, call) ((w) == 16 ? call(16) : (w) == 32 ? call(32) : (w) == 64 ? call(64) : (w) == 128 ? call(128) : call(w))
-
-static inline float dot(const float *restrict a, const float *restrict b, int w) {
-#define DOT(k) dot_n(a, b, k)
-    return FIXED(w, DOT);
-#undef DOT
-}
-
-static inline void axpy(float *restrict y, float a, const float *restrict x, int w) {
-#define AXPY(k) axpy_n(y, a, x, k)
-    FIXED(w, AXPY);
-#undef AXPY
-}
 
 /* Ask for the row a tile ahead: within a tile the loops jump between sources every TT rows,
  * runs too short for the hardware prefetcher to ramp up on, and the sources are usually out of
@@ -69,56 +42,7 @@ static inline void prefetch_row(const float *row, int d) {
     for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c, 0, 1);
 }
 
-/* exp and log in a form the compiler vectorises (libm's are scalar calls): range reduction to
- * [-ln2/2, ln2/2] (resp. a mantissa in [√½, √2)) and the classic Cephes minimax polynomials,
- * within 2 ulp of libm over the ranges used here. exp(-inf) = 0 (a masked source), and arguments
- * are clamped to fp32's range. */
-/* fminf/fmaxf are library calls unless NaNs are ruled out: plain comparisons vectorise. */
-static inline float max_f(float a, float b) { return a > b ? a : b; }
-static inline float min_f(float a, float b) { return a < b ? a : b; }
-
-static inline float exp_f(float x) {
-    const float c = min_f(max_f(x, -87.33654f), 88.72283f);
-    const float k = floorf(c * 1.44269504f + 0.5f);
-    float r = c - k * 0.693359375f;
-    r = r + k * 2.12194440e-4f;
-    const float z = r * r;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
-    return x < -87.33654f ? 0.f : y * scale.f;
-}
-
-static inline float log_f(float x) { /* x > 0, finite */
-    union { float f; int32_t i; } u = {.f = x};
-    float e = (float)(((u.i >> 23) & 0xff) - 126);
-    u.i = (u.i & 0x007fffff) | 0x3f000000; /* mantissa in [0.5, 1) */
-    float m = u.f;
-    const int lo = m < 0.707106781f;
-    e = lo ? e - 1.f : e;
-    m = lo ? m + m - 1.f : m - 1.f;
-    const float z = m * m;
-    float y = 7.0376836292e-2f;
-    y = y * m - 1.1514610310e-1f;
-    y = y * m + 1.1676998740e-1f;
-    y = y * m - 1.2420140846e-1f;
-    y = y * m + 1.4249322787e-1f;
-    y = y * m - 1.6668057665e-1f;
-    y = y * m + 2.0000714765e-1f;
-    y = y * m - 2.4999993993e-1f;
-    y = y * m + 3.3333331174e-1f;
-    y = y * m * z;
-    y += -2.12194440e-4f * e;
-    y += -0.5f * z;
-    return m + y + 0.693359375f * e;
-}
-
-static inline float log_sigmoid(float s) { return min_f(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
+static inline float log_sigmoid(float s) { return smaller(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
 
 #define TT 64 /* tokens per tile */
 
@@ -157,7 +81,7 @@ int attnres_read_forward(const float *const *srcs, const float *const *rms, int 
                     Zu[r * H + h] = Mu[r * H + h];
                 }
             for (int i = 0; i < n; i++)
-                for (int k = 0; k < RH; k++) Mu[k] = max_f(Mu[k], S[((i64)u * n + i) * RH + k]);
+                for (int k = 0; k < RH; k++) Mu[k] = larger(Mu[k], S[((i64)u * n + i) * RH + k]);
             for (int i = 0; i < n; i++)
                 for (int k = 0; k < RH; k++) S[((i64)u * n + i) * RH + k] -= Mu[k];
             for (int k = 0; k < RH; k++) Zu[k] -= Mu[k]; /* -inf without an initial state */

@@ -35,48 +35,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 typedef int64_t i64;
 
 #define TT 16 /* tokens per tile: one AVX-512 register of lanes */
 
-static inline float larger(float a, float b) { return a > b ? a : b; }
-static inline float smaller(float a, float b) { return a < b ? a : b; }
+static inline float sigmoid(float u) { return 1.f / (1.f + exp_f(-u)); }
 
-/* e^x: x = k·ln2 + r with |r| ≤ ln2/2 (ln2 split in two for an exact k·ln2), e^r by its Taylor
- * polynomial to degree 7 (truncation < 1e-8 relative), 2^k by the exponent bits. Underflow gives
- * 0 below -87 (torch gives denormals there), overflow +inf above 88; NaN passes through. */
-static inline float exp_vec(float x) {
-    const float c = smaller(larger(x, -87.f), 88.f);
-    const float k = floorf(c * 1.44269504089f + 0.5f);
-    const float r = (c - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-    float p = 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    union { int32_t i; float f; } two_k = {.i = ((int32_t)k + 127) << 23};
-    float y = p * two_k.f;
-    y = x < -87.f ? 0.f : y;
-    y = x > 88.f ? INFINITY : y;
-    return x != x ? x : y;
-}
-
-static inline float sigmoid(float u) { return 1.f / (1.f + exp_vec(-u)); }
-
-static inline float dot(const float *restrict a, const float *restrict b, int w) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int c = 0; c < w; c++) s += a[c] * b[c];
-    return s;
-}
-
-static inline void axpy(float *restrict y, float a, const float *restrict x, int w) {
-#pragma omp simd
-    for (int c = 0; c < w; c++) y[c] += a * x[c];
-}
 
 static inline void scale_into(float *restrict y, float a, const float *restrict x, int w) {
 #pragma omp simd
@@ -113,7 +79,7 @@ static inline __attribute__((always_inline)) void sinkhorn_tile(float *restrict 
         for (int u = 0; u < TT; u++) top[u] = larger(top[u], M[k * TT + u]);
     for (int k = 0; k < nn; k++)
 #pragma omp simd
-        for (int u = 0; u < TT; u++) M[k * TT + u] = exp_vec(M[k * TT + u] - top[u]);
+        for (int u = 0; u < TT; u++) M[k * TT + u] = exp_f(M[k * TT + u] - top[u]);
     vf *V = (vf *)M, *I = (vf *)iterates, *S = (vf *)sums;
     if (I)
         for (int k = 0; k < nn; k++) I[k] = V[k];
