@@ -19,38 +19,28 @@ from . import native
 
 _MIN_TOKENS_PER_THREAD = 256
 _TT = 64  # tokens per tile: TT in csrc/depth_read.c
-_lib = None
 _pool: Optional[ThreadPoolExecutor] = None
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 
 
+_SIGNATURES = {
+    "attnres_read_forward": [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _I64, _I64, _P],
+    "attnres_read_backward": [
+        _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _I64, _I64, _P,
+    ],
+    "attnres_inv_rms_forward": [_P, _P, _I64, _INT, ctypes.c_float],
+    "attnres_inv_rms_backward": [_P, _P, _P, _P, _I64, _INT],
+}
+
+
 def available() -> bool:
-    return _library() is not None
-
-
-def _library():
-    global _lib
-    if _lib is None:
-        lib = native.load("depth_read")
-        if lib is None:
-            return None
-        lib.attnres_read_forward.argtypes = [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _I64, _I64, _P]
-        lib.attnres_read_backward.argtypes = [
-            _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _I64, _I64, _P,
-        ]
-        lib.attnres_inv_rms_forward.argtypes = [_P, _P, _I64, _INT, ctypes.c_float]
-        lib.attnres_inv_rms_backward.argtypes = [_P, _P, _P, _P, _I64, _INT]
-        _lib = lib
-    return _lib
+    return native.bind("depth_read", _SIGNATURES) is not None
 
 
 def _need():
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"the C kernels of the CPU path could not be built: {native.why_unavailable('depth_read')}")
-    return lib
+    return native.require("depth_read", _SIGNATURES, "the CPU depth reads")
 
 
 def _ptrs(tensors) -> Optional[ctypes.Array]:

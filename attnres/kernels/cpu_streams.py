@@ -20,42 +20,29 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _F32 = ctypes.c_float
-_lib = None
+
+
+_SIGNATURES = {
+    "mhc_sinkhorn_forward": [_P, _P, _I64, _INT, _INT],
+    "mhc_sinkhorn_backward": [_P, _P, _P, _I64, _INT, _INT],
+    "mhc_mix_forward": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _F32],
+    "mhc_mix_backward": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT],
+    "mhc_update_forward": [_P, _P, _P, _P, _P, _I64, _INT, _INT],
+    "mhc_update_backward": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT],
+}
 
 
 def available() -> bool:
     """Whether csrc/streams.c builds and loads here (built on the first call)."""
-    return _library() is not None
+    return native.bind("streams", _SIGNATURES) is not None
 
 
 def why_unavailable() -> Optional[str]:
     return native.why_unavailable("streams")
 
 
-def _library():
-    global _lib
-    if _lib is None:
-        lib = native.load("streams")
-        if lib is None:
-            return None
-        lib.mhc_sinkhorn_forward.argtypes = [_P, _P, _I64, _INT, _INT]
-        lib.mhc_sinkhorn_backward.argtypes = [_P, _P, _P, _I64, _INT, _INT]
-        lib.mhc_mix_forward.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _F32]
-        lib.mhc_mix_backward.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT]
-        lib.mhc_update_forward.argtypes = [_P, _P, _P, _P, _P, _I64, _INT, _INT]
-        lib.mhc_update_backward.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT]
-        for f in (lib.mhc_sinkhorn_forward, lib.mhc_sinkhorn_backward, lib.mhc_mix_forward, lib.mhc_mix_backward,
-                  lib.mhc_update_forward, lib.mhc_update_backward):
-            f.restype = _INT
-        _lib = lib
-    return _lib
-
-
 def _need():
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"the C kernels of mHC could not be built: {why_unavailable()}")
-    return lib
+    return native.require("streams", _SIGNATURES, "mHC")
 
 
 def _done(status: int, what: str) -> None:

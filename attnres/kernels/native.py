@@ -106,6 +106,26 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     return lib
 
 
+def bind(name: str, signatures: dict) -> Optional[ctypes.CDLL]:
+    """`load(name)` with the argument types of its functions set ({function: [ctypes types]};
+    every kernel returns an int status), or None if it cannot be built."""
+    lib = load(name)
+    if lib is not None and not getattr(lib, "_attnres_bound", False):
+        for function, argtypes in signatures.items():
+            getattr(lib, function).argtypes = argtypes
+            getattr(lib, function).restype = ctypes.c_int
+        lib._attnres_bound = True
+    return lib
+
+
+def require(name: str, signatures: dict, what: str) -> ctypes.CDLL:
+    """`bind`, or a RuntimeError saying why the library could not be built."""
+    lib = bind(name, signatures)
+    if lib is None:
+        raise RuntimeError(f"the C kernels of {what} could not be built: {why_unavailable(name)}")
+    return lib
+
+
 def why_unavailable(name: str) -> Optional[str]:
     """Why `load(name)` returned None (None if it loaded or was not tried)."""
     return _errors.get(name)
