@@ -150,3 +150,33 @@ def test_auto_routes_compiled_cpu_reads_to_the_pytorch_path():
     finally:
         cpu_kernels.read_forward = original
         kernels.set_backend(None)
+
+
+def test_a_forked_child_reads_with_threads_of_its_own():
+    """A fork after the thread pool exists (a DataLoader worker, a forking launcher) must not
+    hand the child a pool whose threads stayed in the parent: the child's read finishes."""
+    import signal
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(1024, 32, generator=g) for _ in range(3)]
+    q = torch.randn(2, 32, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want, _ = cpu_kernels.read_forward(srcs, [], q, None, None, 1, False, False, torch.float32)
+        pid = os.fork()
+        if pid == 0:
+            got, _ = cpu_kernels.read_forward(srcs, [], q, None, None, 1, False, False, torch.float32)
+            # compared in numpy: torch's own OpenMP pool is not usable after a fork
+            os._exit(0 if (got.numpy() == want.numpy()).all() else 1)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's read hung (inherited a dead thread pool)")
+        assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's read differs from the parent's"
+    finally:
+        torch.set_num_threads(before)

@@ -10,6 +10,7 @@ static-query gradient is summed over the ranges' own buffers.
 from __future__ import annotations
 
 import ctypes
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -51,6 +52,14 @@ def _ranges(N: int) -> list[tuple[int, int]]:
     k = max(1, min(torch.get_num_threads(), N // _MIN_TOKENS_PER_THREAD))
     step = -(-N // k)
     return [(t, min(N, t + step)) for t in range(0, N, step)]
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child inherits the pool object but not its threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _run(calls) -> None:
