@@ -1,7 +1,9 @@
 """The C kernels of csrc/depth_read.c behind the same four functions as triton_kernels.py
 (`read_forward`, `read_backward`, `inv_rms_forward`, `inv_rms_backward`), for contiguous fp32
 CPU tensors. ops.py routes a CPU call here, so the custom operators, their autograd and the
-readers are shared by both kernel paths.
+readers are shared by both kernel paths. Two differences, both for the CPU's sake: the backward
+can fold the key norm's gradient into the sources' (fold_rms), and a merge's backward is given
+the read's output where the Triton backward takes the initial state (ops._setup).
 
 Threads: tokens are split into one contiguous range per thread (torch.get_num_threads(), when
 there are enough tokens to pay for it), each range a call that releases the GIL; the

@@ -18,12 +18,18 @@
  * - Two passes over the cache-resident tile instead of an online softmax (no rescaling); the
  *   exponentials of a tile are one vectorised loop.
  * - The backward recomputes the scores from the sources and the saved lse (weights are never
- *   stored) and knows Δ = Σ_i α_i (g·v_i) − g_lse before it writes anything, so the query
- *   gradient is accumulated directly (no cancellation trick needed, unlike the Triton kernel).
+ *   stored) and knows Δ = g·out − g_lse before it writes anything, so the query gradient is
+ *   accumulated directly (no cancellation trick needed, unlike the Triton kernel). A merge's
+ *   backward takes g·out from its own output rather than its initial state (see below), so
+ *   phase-1 outputs need not outlive the forward.
+ * - With fold_rms, the key norm's gradient is added into each source's gradient here, so 1/rms
+ *   needs no autograd node of its own.
  * - The static-query gradient is summed over a tile in float and flushed into double per tile:
  *   fp32 arithmetic, no drift over long sequences.
  * - Each call handles a token range [t0, t1) and adds its query gradient into its own buffer, so
  *   a caller may split the tokens across threads.
+ * - Vector-friendly math (own exp/log, no fminf/fmaxf) from vector_math.h; rows are prefetched a
+ *   tile ahead.
  * Pointers are raw; shapes and contiguity are checked by the Python wrapper (cpu_kernels.py).
  */
 #include <math.h>
