@@ -21,14 +21,15 @@ import torch
 from torch import Tensor
 
 
-def _c_kernels(t: Tensor) -> bool:
+def uses_c_kernels(t: Tensor) -> bool:
+    """Whether ops on tensors like t run the C kernels (CPU, unless Triton is forced)."""
     from . import backend
 
     return t.device.type == "cpu" and backend() != "triton"
 
 
 def _kernels(t: Tensor):
-    if _c_kernels(t):
+    if uses_c_kernels(t):
         from . import cpu_kernels
 
         return cpu_kernels
@@ -115,7 +116,7 @@ def _setup(ctx, inputs, output):
     # A merge's backward reads, with the Triton kernels, its initial state o0; with the C kernels,
     # its own output (Δ = g·out; see csrc/depth_read.c), which is the next sublayer's input and
     # kept anyway, so that o0, a phase-1 output, need not outlive the forward.
-    state = out if _c_kernels(query) else init_out
+    state = out if uses_c_kernels(query) else init_out
     extra = [state, init_lse] if ctx.has_init else []
     ctx.out_dtype = out.dtype
     ctx.save_for_backward(*sources, *inv_rms, query, lse, *extra)

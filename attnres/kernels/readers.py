@@ -206,14 +206,14 @@ class FusedReader(_ReaderBase):
     The C kernels read fp32 only, so there every source is stored in fp32."""
 
     def __init__(self, res, x, want_weights, two_phase):
-        from . import backend
+        from . import ops
 
         super().__init__(res, x, want_weights, two_phase)
-        self.fixed_store = not x.is_cuda and backend() != "triton"  # the C kernels: fp32 only
-        self.store = torch.float32 if self.fixed_store else None  # storage type of the sources
+        self.c_kernels = ops.uses_c_kernels(x)  # they read fp32 only
+        self.store = torch.float32 if self.c_kernels else None  # storage type of the sources
         # C kernels in eager mode: 1/rms outside autograd, its gradient folded into each read's
         # backward (ops.read); the sources are then exactly the tensors their 1/rms was taken of.
-        self.fold_rms = self.fixed_store and not torch.compiler.is_compiling()
+        self.fold_rms = self.c_kernels and not torch.compiler.is_compiling()
 
     def rms(self, v: torch.Tensor) -> torch.Tensor:
         from . import ops
@@ -225,7 +225,7 @@ class FusedReader(_ReaderBase):
         if self.store is None:
             self.store = v.dtype
         elif v.dtype != self.store:
-            if not self.fixed_store and len(self.completed) == 1 and self.completed[0].v.dtype == self.store:
+            if not self.c_kernels and len(self.completed) == 1 and self.completed[0].v.dtype == self.store:
                 self.store = v.dtype  # the first sublayer output: adopt its type
                 self.completed[0].v = self.completed[0].v.to(v.dtype)
             else:
@@ -285,7 +285,7 @@ class FusedReader(_ReaderBase):
         if not extras:
             # A copy on the C path: a view would keep the chunk's whole phase-1 output alive
             # through this sublayer's backward (its merges do not keep it, see ops._setup).
-            return (o.clone() if self.fixed_store else o.to(self.dtype)), weights
+            return (o.clone() if self.c_kernels else o.to(self.dtype)), weights
         us = [self.stored(src.v) for src in extras]
         rhos = [src.rho if src.rho is not None or not self.res.key_norm else self.rms(u) for src, u in zip(extras, us)]
         out, _ = self._op(us, rhos, self.q_all[l], init=(o.unsqueeze(0), lse.unsqueeze(0)))
