@@ -20,18 +20,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import backend, cpu_kernels  # imports torch and ctypes only; the library loads on first use
+
 
 def uses_c_kernels(t: Tensor) -> bool:
     """Whether ops on tensors like t run the C kernels (CPU, unless Triton is forced)."""
-    from . import backend
-
     return t.device.type == "cpu" and backend() != "triton"
 
 
 def _kernels(t: Tensor):
     if uses_c_kernels(t):
-        from . import cpu_kernels
-
         return cpu_kernels
     from . import triton_kernels  # lazy: Triton is optional, and TRITON_INTERPRET is read at import
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..depth_attention import inv_rms, normalise_scores
+from . import ops
 from .mix import acc_dtype, merge_read, mix, source_scores
 
 FULL_CHUNK = 4  # sublayers per phase-1 read for Full AttnRes (Block uses its block size)
@@ -206,8 +207,6 @@ class FusedReader(_ReaderBase):
     The C kernels read fp32 only, so there every source is stored in fp32."""
 
     def __init__(self, res, x, want_weights, two_phase):
-        from . import ops
-
         super().__init__(res, x, want_weights, two_phase)
         self.c_kernels = ops.uses_c_kernels(x)  # they read fp32 only
         self.store = torch.float32 if self.c_kernels else None  # storage type of the sources
@@ -216,8 +215,6 @@ class FusedReader(_ReaderBase):
         self.fold_rms = self.c_kernels and not torch.compiler.is_compiling()
 
     def rms(self, v: torch.Tensor) -> torch.Tensor:
-        from . import ops
-
         return ops.inv_rms_values(v, self.res.eps) if self.fold_rms else ops.inv_rms(v, self.res.eps)
 
     def stored(self, v: torch.Tensor) -> torch.Tensor:
@@ -240,8 +237,6 @@ class FusedReader(_ReaderBase):
         self.completed.append(_Source(stored, len(self.completed), rho))
 
     def _op(self, sources, rhos, q, init=None, out_dtype=None, per_token=False):
-        from . import ops
-
         if q.dim() == 1:
             q = q[None]
         o0, lse0 = init if init is not None else (None, None)
@@ -256,8 +251,6 @@ class FusedReader(_ReaderBase):
             return normalise_scores(s, self.res.normaliser, dim=-1)
 
     def read_once(self, l, partial, prev_h):
-        from . import ops
-
         visible = self.visible()
         q = self.query(l, prev_h)
         sources, rhos = [s.v for s in visible], [s.rho for s in visible]
@@ -277,8 +270,6 @@ class FusedReader(_ReaderBase):
         self.phase = dict(start=start, n_before=len(before), o=o.unbind(0), lse=lse.unbind(0), alpha=alpha)
 
     def phase_two(self, l: int, extras: list[_Source]):
-        from . import ops
-
         i = l - self.phase["start"]
         o, lse = self.phase["o"][i], self.phase["lse"][i]
         weights = self.merge_weights(l, extras) if self.want_weights else None
