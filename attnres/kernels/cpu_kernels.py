@@ -65,14 +65,14 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _run(calls) -> None:
-    """Run thunks, in parallel when there are several (ctypes drops the GIL during each call)."""
+    """Run thunks in parallel: the first on this thread, the others on the pool's (ctypes drops
+    the GIL during each call)."""
     global _pool
-    if len(calls) == 1:
-        calls[0]()
-        return
-    if _pool is None or _pool._max_workers < len(calls):
-        _pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="attnres-cpu")
-    for f in [_pool.submit(c) for c in calls]:
+    if len(calls) > 1 and (_pool is None or _pool._max_workers < len(calls) - 1):
+        _pool = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="attnres-cpu")
+    others = [_pool.submit(c) for c in calls[1:]]
+    calls[0]()
+    for f in others:
         f.result()
 
 
