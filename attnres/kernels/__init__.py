@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -95,22 +95,36 @@ def use_fused(x: torch.Tensor) -> bool:
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 to run on CPU")
         return True
-    if x.is_cuda:
-        if mode == "cpu":
-            raise RuntimeError("the C kernels (ATTNRES_KERNEL=cpu) run on CPU tensors; this one is on CUDA")
+    if x.is_cuda and mode == "auto":
         return x.dtype in _KERNEL_DTYPES and triton_available()
-    cpu_ok = x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-    if mode == "cpu":
-        if not cpu_ok:
-            raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) take fp32 CPU tensors outside autocast; got {x.dtype} on {x.device}")
-        if not cpu_kernels_available():
-            from . import native
+    from . import native
 
-            raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) could not be built: {native.why_unavailable('depth_read')}")
+    return c_kernels_chosen([x], cpu_kernels_available, lambda: native.why_unavailable("depth_read"), traceable=True)
+
+
+def c_kernels_chosen(tensors, available: Callable[[], bool], why: Callable[[], Optional[str]], *, traceable: bool) -> bool:
+    """The one rule for whether a library of C kernels serves these tensors (the depth reads
+    here, mHC's stream mixing in residuals/hyper_connections.py): backend "auto" or "cpu"; fp32
+    CPU tensors outside CPU autocast; the library built. Under torch.compile, auto leaves the work
+    to the PyTorch path, which Inductor fuses (measured faster than the C kernels behind a custom
+    op, which it cannot fuse); a forced "cpu" keeps kernels that are a traceable operator. With
+    "cpu", tensors they cannot take and a library that cannot be built are errors, not fallbacks."""
+    mode = backend()
+    if mode not in ("auto", "cpu"):
+        return False
+    if torch.compiler.is_compiling() and (mode == "auto" or not traceable):
+        return False
+    ok = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled("cpu")
+    if mode == "cpu" and not ok:
+        bad = next((t for t in tensors if t.device.type != "cpu" or t.dtype != torch.float32), tensors[0])
+        raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) take fp32 CPU tensors outside autocast; got {bad.dtype} on {bad.device}")
+    if not ok:
+        return False
+    if available():
         return True
-    # Under torch.compile, auto leaves CPU reads to the PyTorch path: Inductor fuses it into the
-    # compiled graph (measured faster than the C kernels behind a custom op, which it cannot fuse).
-    return cpu_ok and not torch.compiler.is_compiling() and cpu_kernels_available()
+    if mode == "cpu":
+        raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) could not be built: {why()}")
+    return False
 
 
 def make_reader(res, x: torch.Tensor, want_weights: bool):

@@ -132,8 +132,9 @@ def _backward(ctx, grad_out, grad_lse, eager: bool = False):
     args = (sources, inv_rms, query, init_out, init_lse, lse, grad_out.contiguous(),
             None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token)
     fold = getattr(ctx, "fold_rms", False)
-    if eager:
-        dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args, fold_rms=fold)
+    if eager:  # fold_rms is the C kernels' option (readers set it on that path only)
+        kern = _kernels(query)
+        dsrc, drms, dq, do0, dlse0 = kern.read_backward(*args, fold_rms=True) if fold else kern.read_backward(*args)
     else:
         dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(*args)
     d_sources = (list(dsrc) if isinstance(dsrc, list) else list(dsrc.unbind(0))) if n else []

@@ -316,12 +316,9 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     return out, lse
 
 
-def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token, fold_rms=False):
+def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token):
     """Gradients of read_forward: (d_sources (n, N, d), d_inv_rms (n, N) or None, d_query like
-    query in fp32, d_init_out (R, N, d) fp32 or None, d_init_lse (R, N, H) or None). fold_rms (the
-    C kernels' option, see ops.read) is not used by the Triton path's readers: refused."""
-    if fold_rms:
-        raise NotImplementedError("fold_rms is implemented by the C kernels only")
+    query in fp32, d_init_out (R, N, d) fp32 or None, d_init_lse (R, N, H) or None)."""
     R, N, d = grad_out.shape
     H, W = heads, d // heads
     device = grad_out.device

@@ -118,21 +118,9 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 def native_streams(*tensors: torch.Tensor) -> bool:
-    """Whether mHC runs on the C kernels for these tensors: fp32 on the CPU, outside CPU autocast
-    and torch.compile tracing, the kernel backend "auto" or "cpu", and the library built (with
-    backend "cpu" a library that cannot be built is an error rather than a silent fallback)."""
-    if torch.compiler.is_compiling():
-        return False
-    mode = kernels.backend()
-    if mode not in ("auto", "cpu") or torch.is_autocast_enabled("cpu"):
-        return False
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return False
-    if cpu_streams.available():
-        return True
-    if mode == "cpu":
-        raise RuntimeError(f"the C kernels (ATTNRES_KERNEL=cpu) could not be built: {cpu_streams.why_unavailable()}")
-    return False
+    """Whether mHC runs on the C kernels for these tensors (`kernels.c_kernels_chosen`: fp32 CPU
+    tensors, backend "auto" or "cpu", eager mode: the C path is no traceable operator)."""
+    return kernels.c_kernels_chosen(tensors, cpu_streams.available, cpu_streams.why_unavailable, traceable=False)
 
 
 def pairwise_mean(streams: torch.Tensor, dim: int) -> torch.Tensor:
