@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig, build_residual, depth_read, kernels  # noqa: E402
+from attnres.kernels.readers import FULL_CHUNK  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -53,7 +54,9 @@ def _sources(n, shape, seed, dtype=torch.float32):
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("normaliser", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("per_token", [False, True])
-@pytest.mark.parametrize("heads,d", [(1, 32), (4, 32), (1, 24), (4, 24)])  # 24: masked, non-power-of-2 widths
+# 24: masked, non-power-of-2 widths; 64 with 1 and 16 heads: the C kernels' wide and narrow-head
+# vector paths (heads of 64 and of 4 channels; 4 × 8 at d 32 is narrow too)
+@pytest.mark.parametrize("heads,d", [(1, 32), (4, 32), (1, 24), (4, 24), (1, 64), (16, 64)])
 def test_kernel_read_and_gradients_match_reference(path, backend, key_norm, normaliser, per_token, heads, d):
     path(backend)
     shape = (2, 7, d)
@@ -193,16 +196,21 @@ def test_two_phase_equals_one_read_per_sublayer_fused(path, backend, S, num_laye
     _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"{backend} block S={S} L={num_layers}")
 
 
-@pytest.mark.parametrize("num_layers", [3, 4, 9])  # FULL_CHUNK = 4: a partial chunk, one chunk, a remainder
+@pytest.mark.parametrize("num_layers", [FULL_CHUNK - 1, FULL_CHUNK, 2 * FULL_CHUNK + 1])  # a partial chunk, one, a remainder
 @pytest.mark.parametrize("variant", ["full", "full_sigmoid", "full_no_rmsnorm"])
 def test_full_two_phase_equals_one_read_per_sublayer(path, variant, num_layers):
-    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(num_layers), requires_grad=True)
+    """float64, to 1e-10: the same function. (In fp32 a chunk of 8 readers sums the embedding's
+    gradient in another order than 8 separate reads; the two differ by rounding, ~2e-5 relative
+    with these peaked random queries; the fp32 comparisons of the paths are in the tests below.)"""
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(num_layers), dtype=torch.float64, requires_grad=True)
     subs, ws = _sublayers(num_layers)
-    res = _module(variant, num_layers)
+    for w in ws:
+        w.data = w.data.double()
+    res = _module(variant, num_layers).double()
     path("torch", "per_read")
     ref = _run(res, x, subs, ws)
     path("torch", "two_phase")
-    _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-5, atol=1e-5), f"{variant} L={num_layers}")
+    _compare(_run(res, x, subs, ws), ref, dict(rtol=1e-10, atol=1e-10), f"{variant} L={num_layers}")
 
 
 @pytest.mark.parametrize("backend", FUSED)
@@ -217,6 +225,21 @@ def test_fused_path_matches_torch_path_for_every_variant(path, backend, variant)
     ref = _run(res, x, subs, ws)
     path(backend, "two_phase")
     _compare(_run(res, x, subs, ws), ref, TOL, f"{variant}: {backend} vs PyTorch")
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("variant", ["full", "full_sigmoid"])
+def test_fused_full_over_several_chunks_matches_torch_path(path, backend, variant):
+    """Full AttnRes deep enough for two whole chunks and a remainder (phase-1 reads of many sources
+    by FULL_CHUNK + 1 readers), fused two-phase against the PyTorch path read by read, fp32."""
+    num_layers = 2 * FULL_CHUNK + 3
+    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    subs, ws = _sublayers(num_layers)
+    res = _module(variant, num_layers)
+    path("torch", "per_read")
+    ref = _run(res, x, subs, ws)
+    path(backend, "two_phase")
+    _compare(_run(res, x, subs, ws), ref, TOL, f"{variant} L={num_layers}: {backend} vs PyTorch")
 
 
 @pytest.mark.parametrize("backend", FUSED)

@@ -76,37 +76,53 @@ def _run(calls) -> None:
         f.result()
 
 
-def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
+def _rows(x) -> list:
+    """The R reader rows of x: a (R, N, d) tensor or already a list of R (N, d) tensors."""
+    return list(x) if isinstance(x, (list, tuple)) else list(x.unbind(0))
+
+
+def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, separate=False):
+    """As triton_kernels.read_forward; with `separate`, the R outputs are R tensors of their own
+    (a list) rather than one (R, N, d) tensor, so that each reader's output lives and dies alone."""
     lib = _need()
     ref = sources[0] if sources else init_out
     N, d = ref.shape[-2], ref.shape[-1]
     R = 1 if per_token else query.shape[0]
     native.check_fp32_cpu("depth read", *sources, *inv_rms, query, init_out, init_lse)
-    out = torch.empty(R, N, d, dtype=torch.float32)
+    if separate:
+        outs = [torch.empty(N, d, dtype=torch.float32) for _ in range(R)]
+    else:
+        out = torch.empty(R, N, d, dtype=torch.float32)
+        outs = list(out.unbind(0))
     lse = torch.empty(R, N, heads, dtype=torch.float32)
-    src, rms = _ptrs(sources), _ptrs(inv_rms)
+    src, rms, out_p = _ptrs(sources), _ptrs(inv_rms), _ptrs(outs)
     ranges = _ranges(N)
-    scratch = torch.empty(len(ranges), _TT * (len(sources) + 2) * R * heads, dtype=torch.float32)
+    scratch = torch.empty(len(ranges), _TT * (len(sources) + 3) * R * heads, dtype=torch.float32)
 
     def call(j, t0, t1):
         return lambda: lib.attnres_read_forward(
             src, rms, len(sources), query.data_ptr(), int(per_token), native.ptr(init_out), native.ptr(init_lse),
-            out.data_ptr(), lse.data_ptr(), N, d, heads, R, int(sigmoid), t0, t1, scratch[j].data_ptr(),
+            out_p, lse.data_ptr(), N, d, heads, R, int(sigmoid), t0, t1, scratch[j].data_ptr(),
         )
 
     _run([call(j, *r) for j, r in enumerate(ranges)])
+    if separate:
+        return (outs if out_dtype == torch.float32 else [o.to(out_dtype) for o in outs]), lse
     return (out if out_dtype == torch.float32 else out.to(out_dtype)), lse
 
 
 def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token, fold_rms=False):
     """As triton_kernels.read_backward (d_sources a list of (N, d) tensors here), except that a
-    merge passes, in the place of init_out, the
-    read's own output (the C backward needs g·out, not the initial state: see csrc/depth_read.c).
-    With fold_rms the key norm's gradient is added to the sources' (d_inv_rms is None)."""
+    merge passes, in the place of init_out, the read's own output (the C backward needs g·out,
+    not the initial state: see csrc/depth_read.c). grad_out and that output may be (R, N, d)
+    tensors or lists of R (N, d) tensors (`read_forward(separate=True)`). With fold_rms the key
+    norm's gradient is added to the sources' (d_inv_rms is None)."""
     lib = _need()
-    R, N, d = grad_out.shape
+    gouts = _rows(grad_out)
+    outs = _rows(init_out) if init_out is not None else None
+    R, (N, d) = len(gouts), gouts[0].shape
     n = len(sources)
-    native.check_fp32_cpu("depth read backward", *sources, *inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse)
+    native.check_fp32_cpu("depth read backward", *sources, *inv_rms, query, *(outs or []), init_lse, lse, *gouts, grad_lse)
     # One tensor per source, not views of one (n, N, d) block: autograd adds a source's later
     # gradients into its first one in place only when that is a base tensor of its own.
     dsrc = [torch.empty(N, d, dtype=torch.float32) for _ in range(n)]
@@ -117,16 +133,16 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     ranges = _ranges(N)
     dq_tok = torch.empty(N, d, dtype=torch.float32) if per_token else None
     dq_static = None if per_token else torch.zeros(len(ranges), R, d, dtype=torch.float64)
-    per_call = _TT * (4 * n + 2) * R * heads + R * d
+    per_call = _TT * (4 * n + 4) * R * heads + R * d + (_TT + 2) * n * heads + R * heads
     scratch = torch.empty(len(ranges), per_call, dtype=torch.float32)
     src, rms = _ptrs(sources), _ptrs(inv_rms)
-    dsrc_p = _ptrs(dsrc)
+    dsrc_p, gout_p, out_p = _ptrs(dsrc), _ptrs(gouts), (_ptrs(outs) if outs is not None else None)
     drms_p = _ptrs(list(drms.unbind(0))) if drms is not None else None
 
     def call(j, t0, t1):
         return lambda: lib.attnres_read_backward(
-            src, rms, n, query.data_ptr(), int(per_token), native.ptr(init_out), native.ptr(init_lse), lse.data_ptr(),
-            grad_out.data_ptr(), native.ptr(grad_lse), dsrc_p, drms_p, native.ptr(dq_tok),
+            src, rms, n, query.data_ptr(), int(per_token), out_p, native.ptr(init_lse), lse.data_ptr(),
+            gout_p, native.ptr(grad_lse), dsrc_p, drms_p, native.ptr(dq_tok),
             None if dq_static is None else dq_static[j].data_ptr(), native.ptr(do0), native.ptr(dlse0),
             N, d, heads, R, int(sigmoid), int(fold_rms), t0, t1, scratch[j].data_ptr(),
         )

@@ -131,14 +131,12 @@ def _backward(ctx, grad_out, grad_lse, eager: bool = False):
         grad_out = lse.new_zeros(R, N, query.shape[-1], dtype=ctx.out_dtype)
     args = (sources, inv_rms, query, init_out, init_lse, lse, grad_out.contiguous(),
             None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token)
-    fold = getattr(ctx, "fold_rms", False)
-    if eager:  # fold_rms is the C kernels' option (readers set it on that path only)
-        kern = _kernels(query)
-        dsrc, drms, dq, do0, dlse0 = kern.read_backward(*args, fold_rms=True) if fold else kern.read_backward(*args)
+    if eager:
+        dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args)
     else:
         dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(*args)
     d_sources = (list(dsrc) if isinstance(dsrc, list) else list(dsrc.unbind(0))) if n else []
-    d_rms = list(drms.unbind(0)) if k and not fold else [None] * k
+    d_rms = list(drms.unbind(0)) if k else []
     return (
         d_sources, d_rms, dq.to(query.dtype),
         do0 if ctx.has_init else None, dlse0 if ctx.has_init else None,
@@ -150,28 +148,60 @@ depth_read_op.register_autograd(_backward, setup_context=_setup)
 
 
 class _EagerRead(torch.autograd.Function):
-    """depth_read_op without the custom operator's dispatch: the same kernels, the same autograd
-    formula (_setup, _backward). Eager calls come here because the custom op's Python layer
-    (argument flattening, schema defaults, redispatch) costs ~100 µs a call on a CPU, more than
-    the read itself in a small model; torch.compile needs the operator and gets it (`read`)."""
+    """depth_read_op without the custom operator's dispatch, for the Triton kernels in eager mode:
+    the same kernels, the same autograd formula (_setup, _backward). The custom op's Python layer
+    (argument flattening, schema defaults, redispatch) costs ~100 µs a call, more than a read in
+    a small model; torch.compile needs the operator and gets it (`read`)."""
 
     @staticmethod
-    def forward(ctx, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms, n, *tensors):
+    def forward(ctx, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, n, *tensors):
         inputs = (list(tensors[:n]), list(tensors[n:]), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
         output = _kernels(query).read_forward(*inputs)
         _setup(ctx, inputs, output)
-        ctx.fold_rms = fold_rms
         return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         d_sources, d_rms, dq, do0, dlse0, *_ = _backward(ctx, grad_out, grad_lse, eager=True)
-        return (dq, do0, dlse0, None, None, None, None, None, None, *d_sources, *d_rms)
+        return (dq, do0, dlse0, None, None, None, None, None, *d_sources, *d_rms)
+
+
+class _CRead(torch.autograd.Function):
+    """The C kernels in eager mode: like _EagerRead, but each reader's output is a tensor of its
+    own (R outputs, then lse), and its gradient arrives alone: nothing stacks the R gradients or
+    copies an output out of a shared (R, N, d) block, and a phase-1 output dies with the last
+    sublayer that reads it. The saved state is as in _setup: a merge's own output, not o0."""
+
+    @staticmethod
+    def forward(ctx, query, init_out, init_lse, heads, sigmoid, per_token, fold_rms, n, *tensors):
+        sources, rms = list(tensors[:n]), list(tensors[n:])
+        outs, lse = cpu_kernels.read_forward(sources, rms, query, init_out, init_lse, heads, sigmoid, per_token, torch.float32, separate=True)
+        ctx.n_src, ctx.n_rms, ctx.R = n, len(rms), len(outs)
+        ctx.has_init, ctx.heads, ctx.sigmoid, ctx.per_token, ctx.fold_rms = init_out is not None, heads, sigmoid, per_token, fold_rms
+        ctx.save_for_backward(*sources, *rms, query, lse, *(outs + [init_lse] if init_out is not None else []))
+        return (*outs, lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        n, k, R = ctx.n_src, ctx.n_rms, ctx.R
+        sources, rms = list(saved[:n]), list(saved[n : n + k])
+        query, lse = saved[n + k : n + k + 2]
+        outs, init_lse = (list(saved[n + k + 2 : n + k + 2 + R]), saved[-1]) if ctx.has_init else (None, None)
+        N, d = lse.shape[1], query.shape[-1]
+        gouts = [g.contiguous() if g is not None else lse.new_zeros(N, d) for g in grads[:R]]
+        glse = grads[R].contiguous() if grads[R] is not None else None
+        dsrc, drms, dq, do0, dlse0 = cpu_kernels.read_backward(
+            sources, rms, query, outs, init_lse, lse, gouts, glse, ctx.heads, ctx.sigmoid, ctx.per_token, fold_rms=ctx.fold_rms
+        )
+        d_rms = list(drms.unbind(0)) if k and not ctx.fold_rms else [None] * k
+        return (dq.to(query.dtype), do0, dlse0, None, None, None, None, None, *dsrc, *d_rms)
 
 
 def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms=False):
-    """`depth_read_op` (same arguments, same results): the operator when torch.compile traces, a
-    plain autograd.Function around the same kernels in eager mode.
+    """`depth_read_op` (same arguments), returning (the R readers' outputs as a sequence of (N, d)
+    tensors, lse (R, N, H)): the operator when torch.compile traces, a plain autograd.Function
+    around the same kernels in eager mode (the C kernels: _CRead, one output tensor per reader).
 
     fold_rms (eager only): `inv_rms` are the sources' own 1/rms, computed outside autograd
     (`inv_rms_values`); the backward adds the key norm's gradient to the sources' gradients. One
@@ -180,8 +210,15 @@ def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token,
     if torch.compiler.is_compiling():
         if fold_rms:
             raise RuntimeError("fold_rms is for eager mode; under torch.compile the 1/rms must be inv_rms(...) outputs")
-        return depth_read_op(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
-    return _EagerRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms, len(sources), *sources, *inv_rms)
+        out, lse = depth_read_op(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
+        return out.unbind(0), lse
+    if uses_c_kernels(query):
+        *outs, lse = _CRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, fold_rms, len(sources), *sources, *inv_rms)
+        return [o.to(out_dtype) for o in outs], lse
+    if fold_rms:
+        raise RuntimeError("fold_rms is an option of the C kernels (CPU tensors)")
+    out, lse = _EagerRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, len(sources), *sources, *inv_rms)
+    return out.unbind(0), lse
 
 
 @torch.library.custom_op("attnres::inv_rms", mutates_args=())

@@ -39,6 +39,10 @@
 
 #include "vector_math.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 typedef int64_t i64;
 
 /* Ask for the row a tile ahead: within a tile the loops jump between sources every TT rows,
@@ -52,219 +56,507 @@ static inline float log_sigmoid(float s) { return smaller(s, 0.f) - log_f(1.f + 
 
 #define TT 64 /* tokens per tile */
 
+/* ---- dot products in batches of four ----------------------------------------------------------
+ * A read scores every (token, reader, head) against every source: many short dot products (W =
+ * d/H channels). Each one alone ends in a horizontal sum, which costs more than its
+ * multiply-adds at W ≤ 64; four reduced together share the shuffles (AVX-512: 11 instructions
+ * for four sums instead of 4 × 8). Products are queued in the order their results are stored. */
+typedef struct {
+    const float *a[4], *b[4];
+    int m;
+    float *out; /* where the next result goes; results are contiguous */
+} dot_batch;
+
+#if defined(__AVX512F__)
+/* The sums of four vectors, as the four lanes of one. */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E)); /* each 128-bit lane: its sum, four times */
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
+}
+#endif
+
+static inline __attribute__((always_inline)) void batch_flush(dot_batch *bt, int W) {
+    const int m = bt->m;
+    if (!m) return;
+#if defined(__AVX512F__)
+    if (W % 16 == 0) {
+        for (int j = m; j < 4; j++) bt->a[j] = bt->a[0], bt->b[j] = bt->b[0];
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int c = 0; c < W; c += 16) {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(bt->a[0] + c), _mm512_loadu_ps(bt->b[0] + c), s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(bt->a[1] + c), _mm512_loadu_ps(bt->b[1] + c), s1);
+            s2 = _mm512_fmadd_ps(_mm512_loadu_ps(bt->a[2] + c), _mm512_loadu_ps(bt->b[2] + c), s2);
+            s3 = _mm512_fmadd_ps(_mm512_loadu_ps(bt->a[3] + c), _mm512_loadu_ps(bt->b[3] + c), s3);
+        }
+        _mm_mask_storeu_ps(bt->out, (__mmask8)((1 << m) - 1), sum4(s0, s1, s2, s3));
+        bt->out += m;
+        bt->m = 0;
+        return;
+    }
+#endif
+    for (int j = 0; j < m; j++) bt->out[j] = dot(bt->a[j], bt->b[j], W);
+    bt->out += m;
+    bt->m = 0;
+}
+
+static inline void batch_push(dot_batch *bt, const float *a, const float *b, int W) {
+    bt->a[bt->m] = a;
+    bt->b[bt->m] = b;
+    if (++bt->m == 4) batch_flush(bt, W);
+}
+
+/* Narrow heads (W < 16 dividing 16, d a multiple of 16): a 16-channel product holds 16/W heads;
+ * each group of W lanes is summed in place (log2 W shuffles) and the group sums gathered. */
+#if defined(__AVX512F__)
+static inline int narrow_heads(int d, int W) { return W < 16 && 16 % W == 0 && d % 16 == 0; }
+
+static inline void head_dots(const float *a, const float *b, int d, int W, float *out) {
+    const int per = 16 / W;
+    const __m512i pick = _mm512_set_epi32(15 * W % 16, 14 * W % 16, 13 * W % 16, 12 * W % 16, 11 * W % 16,
+                                          10 * W % 16, 9 * W % 16, 8 * W % 16, 7 * W, 6 * W, 5 * W, 4 * W, 3 * W, 2 * W,
+                                          W, 0);
+    for (int c = 0; c < d; c += 16, out += per) {
+        __m512 p = _mm512_mul_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c));
+        if (W >= 2) p = _mm512_add_ps(p, _mm512_permute_ps(p, 0xB1));
+        if (W >= 4) p = _mm512_add_ps(p, _mm512_permute_ps(p, 0x4E));
+        if (W >= 8) p = _mm512_add_ps(p, _mm512_shuffle_f32x4(p, p, 0xB1));
+        _mm512_mask_storeu_ps(out, (__mmask16)((1u << per) - 1), _mm512_permutexvar_ps(pick, p));
+    }
+}
+#else
+static inline int narrow_heads(int d, int W) { (void)d, (void)W; return 0; }
+static inline void head_dots(const float *a, const float *b, int d, int W, float *out) { (void)a, (void)b, (void)d, (void)W, (void)out; }
+#endif
+
+/* ---- register-blocked mixing (AVX-512, W a multiple of 16) ---------------------------------------
+ * A row of the output is a weighted sum of n source rows. Accumulating it in memory, source by
+ * source, costs a load and a store per multiply-add (the tile's output rows do not fit in L1);
+ * here up to 4 rows × 64 channels accumulate in 16 registers over all the sources and are
+ * stored once, and each source row, loaded once, serves 4 rows. */
+#define BLOCK_ROWS 4
+
+#if defined(__AVX512F__)
+/* rows[r][c0:c0+64] = base_r + Σ_i coef(i, r, head) · x_i[c0:...] for r < nr: x: n rows (pointers,
+ * already offset), coef(i, r, h) = w[i·wstride + r·rstride + h]; base: a[r·H + h]·b_r (b may be
+ * NULL: zero). Channels c0 .. c0 + 16·nc. */
+static inline __attribute__((always_inline)) void mix_block(
+    float *const *rows, int nr, const float *const *x, int n, const float *w, i64 wstride, i64 rstride, int H, int W,
+    int c0, int nc, const float *a, const float *const *b) {
+    __m512 acc[BLOCK_ROWS][4];
+    i64 off[BLOCK_ROWS][4], aoff[BLOCK_ROWS][4]; /* where the weights of (row, 16-channel chunk) sit */
+    for (int r = 0; r < BLOCK_ROWS; r++)
+        for (int c = 0; c < 4; c++) {
+            off[r][c] = r * rstride + (c0 + 16 * c) / W;
+            aoff[r][c] = r * H + (c0 + 16 * c) / W;
+        }
+    /* narrow heads: a chunk's 16/W weights, each spread over its W lanes */
+    const int narrow = W < 16;
+    const __m512i spread = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             W == 8 ? 3 : W == 4 ? 2 : W == 2 ? 1 : 0);
+    const __mmask16 nw = (__mmask16)((1u << (narrow ? 16 / W : 1)) - 1);
+#define WEIGHT(p) (narrow ? _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(nw, (p))) : _mm512_set1_ps(*(p)))
+#pragma GCC unroll 4
+    for (int r = 0; r < BLOCK_ROWS; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            acc[r][c] = (r < nr && c < nc && b) ? _mm512_mul_ps(WEIGHT(a + aoff[r][c]), _mm512_loadu_ps(b[r] + c0 + 16 * c))
+                                                 : _mm512_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        const float *xi = x[i] + c0, *wi = w + i * wstride;
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) v[c] = c < nc ? _mm512_loadu_ps(xi + 16 * c) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int r = 0; r < BLOCK_ROWS; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                if (r < nr && c < nc) acc[r][c] = _mm512_fmadd_ps(WEIGHT(wi + off[r][c]), v[c], acc[r][c]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < BLOCK_ROWS; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            if (r < nr && c < nc) _mm512_storeu_ps(rows[r] + c0 + 16 * c, acc[r][c]);
+#undef WEIGHT
+}
+#endif
+
+/* rows[r] = a[r·H + h]·b_r + Σ_i w[i·wstride + r·rstride + h] · x_i (per head h), for r < R, each row
+ * d wide; b may be NULL (no base term) and may be rows itself (accumulate). */
+static void mix_rows(float *const *rows, int R, const float *const *x, int n, const float *w, i64 wstride, i64 rstride,
+                     int d, int H, const float *a, const float *const *b) {
+    const int W = d / H;
+#if defined(__AVX512F__)
+    if (W % 16 == 0 || narrow_heads(d, W)) {
+        for (int r0 = 0; r0 < R; r0 += BLOCK_ROWS) {
+            const int nr = R - r0 < BLOCK_ROWS ? R - r0 : BLOCK_ROWS;
+            for (int c0 = 0; c0 < d; c0 += 64) {
+                const int nc = (d - c0) / 16 < 4 ? (d - c0) / 16 : 4;
+                float *const *rr = rows + r0;
+                const float *wr = w + r0 * rstride, *ar = a ? a + r0 * H : NULL;
+                const float *const *br = b ? b + r0 : NULL;
+                /* constant block shapes, so that the guards of mix_block fold away */
+                if (nc == 4 && nr == 4) mix_block(rr, 4, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br);
+                else if (nc == 4 && nr == 1) mix_block(rr, 1, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br);
+                else if (nc == 4 && nr == 2) mix_block(rr, 2, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br);
+                else if (nc == 4 && nr == 3) mix_block(rr, 3, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br);
+                else mix_block(rr, nr, x, n, wr, wstride, rstride, H, W, c0, nc, ar, br);
+            }
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < R; r++) {
+        float *o = rows[r];
+        for (int h = 0; h < H; h++) {
+            const float ah = b ? a[r * H + h] : 0.f;
+#pragma omp simd
+            for (int c = 0; c < W; c++) o[h * W + c] = b ? ah * b[r][h * W + c] : 0.f;
+        }
+        for (int i = 0; i < n; i++)
+            for (int h = 0; h < H; h++) axpy(o + h * W, w[i * wstride + r * rstride + h], x[i] + h * W, W);
+    }
+}
+
+/* The H head-wise dot products of two d-wide rows, queued (wide heads) or computed at once
+ * (narrow heads); results go to consecutive places of bt->out. */
+static inline void score_row(dot_batch *bt, const float *a, const float *b, int d, int H) {
+    const int W = d / H;
+    if (narrow_heads(d, W)) {
+        head_dots(a, b, d, W, bt->out);
+        bt->out += H;
+        return;
+    }
+    for (int h = 0; h < H; h++) batch_push(bt, a + h * W, b + h * W, W);
+}
+
+/* out[j] = rows[j] · v for j < m (one head, d a multiple of 16; AVX-512): the products of one
+ * source row with every reader's query or gradient row, four at a time and reduced together,
+ * with no queue in between. */
+static inline int row_dots_apply(int d, int H) {
+#if defined(__AVX512F__)
+    return H == 1 && d % 16 == 0;
+#else
+    (void)d, (void)H;
+    return 0;
+#endif
+}
+
+static inline void row_dots(const float *v, const float *const *rows, int m, int d, float *out) {
+#if defined(__AVX512F__)
+    for (int j = 0; j < m; j += 4) {
+        const int k = m - j < 4 ? m - j : 4;
+        const float *r0 = rows[j], *r1 = rows[j + (k > 1)], *r2 = rows[j + (k > 2 ? 2 : 0)], *r3 = rows[j + (k > 3 ? 3 : 0)];
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int c = 0; c < d; c += 16) {
+            const __m512 x = _mm512_loadu_ps(v + c);
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + c), x, s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + c), x, s1);
+            s2 = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + c), x, s2);
+            s3 = _mm512_fmadd_ps(_mm512_loadu_ps(r3 + c), x, s3);
+        }
+        _mm_mask_storeu_ps(out + j, (__mmask8)((1 << k) - 1), sum4(s0, s1, s2, s3));
+    }
+#else
+    for (int j = 0; j < m; j++) out[j] = dot(rows[j], v, d);
+#endif
+}
+
+/* Gather a (R, N, H) per-token array into tile order j = u·RH + r·H + h. */
+static void gather_rows(const float *x, float *dst, i64 N, i64 ta, int T, int R, int H) {
+    for (int u = 0; u < T; u++)
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < H; h++) dst[(u * R + r) * H + h] = x[((i64)r * N + ta + u) * H + h];
+}
+
 /* Forward. srcs: n pointers to (N, d); rms: n pointers to (N,) or NULL (raw keys); q: (R, d)
  * static queries, or (N, d) per token (R = 1); o0 (R, N, d) and lse0 (R, N, H), or NULL;
- * out (R, N, d), lse (R, N, H). scratch: TT·(n + 2)·R·H floats. Returns 0. */
+ * out: R pointers to (N, d) (one tensor per reader), lse (R, N, H). scratch: TT·(n + 3)·R·H floats.
+ * Returns 0. */
 int attnres_read_forward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
-                         const float *o0, const float *lse0, float *out, float *lse, i64 N, int d, int H, int R,
+                         const float *o0, const float *lse0, float *const *out, float *lse, i64 N, int d, int H, int R,
                          int use_sigmoid, i64 t0, i64 t1, float *scratch) {
-    const int W = d / H, RH = R * H, nRH = n * RH;
-    float *S = scratch;        /* S[(u·n + i)·RH + k], u: token in tile, k = r·H + h: logit, then weight */
-    float *M = S + TT * nRH;   /* max logit per (u, k), then log-sum-exp */
-    float *Z = M + TT * RH;    /* weight of the initial state, then the sum of weights */
+    const int W = d / H, RH = R * H;
+    const int TRH = TT * RH;
+    float *S = scratch;      /* S[i·T·RH + j], j = u·RH + r·H + h: logit, then normalised weight */
+    float *M = S + TT * n * RH; /* running max, then log-sum-exp, per j */
+    float *Z = M + TRH;      /* sum of exponentials per j */
+    float *A0 = Z + TRH;     /* initial state: its lse, then its weight, per j */
     for (i64 ta = t0; ta < t1; ta += TT) {
-        const int T = (int)(t1 - ta < TT ? t1 - ta : TT);
+        const int T = (int)(t1 - ta < TT ? t1 - ta : TT), TJ = T * RH;
+        /* logits, source by source (each read as one run of T rows) */
+        dot_batch bt = {.m = 0, .out = S};
+        const int direct = row_dots_apply(d, H);
+        const float *qrows[R];
         for (int i = 0; i < n; i++) {
+            bt.out = S + (i64)i * TJ;
             for (int u = 0; u < T; u++) {
                 const i64 t = ta + u;
                 const float *v = srcs[i] + t * d;
                 if (t + TT < t1) prefetch_row(v + TT * d, d);
-                const float rho = rms ? rms[i][t] : 1.f;
-                float *Su = S + ((i64)u * n + i) * RH;
-                for (int r = 0; r < R; r++) {
-                    const float *qr = per_token ? q + t * d : q + (i64)r * d;
-                    for (int h = 0; h < H; h++) Su[r * H + h] = dot(qr + h * W, v + h * W, W) * rho;
+                for (int r = 0; r < R; r++) qrows[r] = per_token ? q + t * d : q + (i64)r * d;
+                if (direct) {
+                    row_dots(v, qrows, R, d, bt.out);
+                    bt.out += R;
+                } else {
+                    for (int r = 0; r < R; r++) score_row(&bt, qrows[r], v, d, H);
                 }
+            }
+            batch_flush(&bt, W);
+            if (rms) {
+                float *Si = S + (i64)i * TJ;
+                const float *rho = rms[i] + ta;
+                for (int u = 0; u < T; u++)
+                    for (int k = 0; k < RH; k++) Si[u * RH + k] *= rho[u];
             }
         }
         if (use_sigmoid)
-            for (int j = 0; j < T * nRH; j++) S[j] = log_sigmoid(S[j]);
-        for (int u = 0; u < T; u++) {
-            float *Mu = M + u * RH, *Zu = Z + u * RH;
-            for (int r = 0; r < R; r++)
-                for (int h = 0; h < H; h++) {
-                    Mu[r * H + h] = o0 ? lse0[((i64)r * N + ta + u) * H + h] : -INFINITY;
-                    Zu[r * H + h] = Mu[r * H + h];
-                }
-            for (int i = 0; i < n; i++)
-                for (int k = 0; k < RH; k++) Mu[k] = larger(Mu[k], S[((i64)u * n + i) * RH + k]);
-            for (int i = 0; i < n; i++)
-                for (int k = 0; k < RH; k++) S[((i64)u * n + i) * RH + k] -= Mu[k];
-            for (int k = 0; k < RH; k++) Zu[k] -= Mu[k]; /* -inf without an initial state */
+            for (int j = 0; j < n * TJ; j++) S[j] = log_sigmoid(S[j]);
+        /* softmax over the sources (and the initial state), every j at once */
+        if (o0) {
+            gather_rows(lse0, A0, N, ta, T, R, H);
+            for (int j = 0; j < TJ; j++) M[j] = A0[j];
+        } else {
+            for (int j = 0; j < TJ; j++) M[j] = -INFINITY;
+        }
+        for (int i = 0; i < n; i++) {
+            const float *Si = S + (i64)i * TJ;
+#pragma omp simd
+            for (int j = 0; j < TJ; j++) M[j] = larger(M[j], Si[j]);
+        }
+        if (o0) {
+#pragma omp simd
+            for (int j = 0; j < TJ; j++) Z[j] = A0[j] = exp_f(A0[j] - M[j]);
+        } else {
+            for (int j = 0; j < TJ; j++) Z[j] = 0.f;
+        }
+        for (int i = 0; i < n; i++) {
+            float *Si = S + (i64)i * TJ;
+#pragma omp simd
+            for (int j = 0; j < TJ; j++) {
+                Si[j] = exp_f(Si[j] - M[j]);
+                Z[j] += Si[j];
+            }
         }
 #pragma omp simd
-        for (int j = 0; j < T * nRH; j++) S[j] = exp_f(S[j]);
+        for (int j = 0; j < TJ; j++) {
+            M[j] += log_f(Z[j]);
+            Z[j] = 1.f / Z[j];
+        }
+        for (int i = 0; i < n; i++) {
+            float *Si = S + (i64)i * TJ;
 #pragma omp simd
-        for (int j = 0; j < T * RH; j++) Z[j] = exp_f(Z[j]);
-        /* out = (a0·o0 + Σ_i e_i v_i) / Σ, sources in the outer loop (each read as one run) */
-        for (int r = 0; r < R; r++)
-            for (int u = 0; u < T; u++) {
-                float *o = out + ((i64)r * N + ta + u) * d;
-                if (o0) {
-                    const float *p0 = o0 + ((i64)r * N + ta + u) * d;
-                    for (int h = 0; h < H; h++) {
-                        const float a0 = Z[u * RH + r * H + h];
-#pragma omp simd
-                        for (int c = 0; c < W; c++) o[h * W + c] = a0 * p0[h * W + c];
-                    }
-                } else {
-                    memset(o, 0, sizeof(float) * d);
-                }
-            }
-        for (int i = 0; i < n; i++)
-            for (int u = 0; u < T; u++) {
-                const float *v = srcs[i] + (ta + u) * d;
-                const float *Su = S + ((i64)u * n + i) * RH;
-                for (int r = 0; r < R; r++) {
-                    float *o = out + ((i64)r * N + ta + u) * d;
-                    for (int h = 0; h < H; h++) axpy(o + h * W, Su[r * H + h], v + h * W, W);
-                }
-            }
+            for (int j = 0; j < TJ; j++) Si[j] *= Z[j];
+        }
         for (int u = 0; u < T; u++)
-            for (int k = 0; k < RH; k++) {
-                float sum = Z[u * RH + k];
-                for (int i = 0; i < n; i++) sum += S[((i64)u * n + i) * RH + k];
-                Z[u * RH + k] = sum;
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < H; h++) lse[((i64)r * N + ta + u) * H + h] = M[(u * R + r) * H + h];
+        /* out = a0·o0 + Σ_i w_i v_i, the weights already normalised, row by row (mix_rows) */
+        if (o0) {
+#pragma omp simd
+            for (int j = 0; j < TJ; j++) A0[j] *= Z[j];
+        }
+        const float *xs[n];
+        float *rows[R];
+        const float *base[R];
+        for (int u = 0; u < T; u++) {
+            const i64 t = ta + u;
+            for (int i = 0; i < n; i++) xs[i] = srcs[i] + t * d;
+            for (int r = 0; r < R; r++) {
+                rows[r] = out[r] + t * d;
+                base[r] = o0 ? o0 + ((i64)r * N + t) * d : NULL;
             }
-#pragma omp simd
-        for (int j = 0; j < T * RH; j++) M[j] += log_f(Z[j]);
-        for (int r = 0; r < R; r++)
-            for (int u = 0; u < T; u++)
-                for (int h = 0; h < H; h++) {
-                    const float inv = 1.f / Z[u * RH + r * H + h];
-                    float *o = out + ((i64)r * N + ta + u) * d + h * W;
-#pragma omp simd
-                    for (int c = 0; c < W; c++) o[c] *= inv;
-                    lse[((i64)r * N + ta + u) * H + h] = M[u * RH + r * H + h];
-                }
+            mix_rows(rows, R, xs, n, S + u * RH, TJ, H, d, H, o0 ? A0 + u * RH : NULL, o0 ? base : NULL);
+        }
     }
     return 0;
 }
 
 /* Backward. Inputs as in the forward, except that a merge passes its own output out (R, N, d)
- * with lse0, not its initial state o0 (see Δ below); plus lse (R, N, H), gout (R, N, d), glse
+ * with lse0, not its initial state o0 (see Δ below), and out and gout are R pointers to (N, d), one per
+ * reader; plus lse (R, N, H), glse
  * (R, N, H) or NULL.
  * Outputs: dsrc: n pointers to (N, d), written; drms: n pointers to (N,) or NULL, written;
  * with fold_rms, drms is not written: the key norm's path ρ(v) is added to dsrc instead
  * (dv += dρ · ∂ρ/∂v = −dρ·ρ³·v/d), so that 1/rms needs no autograd node of its own;
  * dq: per token (N, d) written, or static (R, d) in double, added to; do0 (R, N, d) and
- * dlse0 (R, N, H) written when o0 is given. scratch: TT·(4·n + 2)·R·H + R·d floats. */
+ * dlse0 (R, N, H) written when o0 is given. scratch: TT·(4·n + 4)·R·H + R·d + (TT + 2)·n·H + R·H floats. */
 int attnres_read_backward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
-                          const float *out, const float *lse0, const float *lse, const float *gout,
+                          const float *const *out, const float *lse0, const float *lse, const float *const *gout,
                           const float *glse, float *const *dsrc, float *const *drms, float *dq_tok, double *dq_static,
                           float *do0, float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, int fold_rms,
                           i64 t0, i64 t1, float *scratch) {
-    const int W = d / H, RH = R * H, nRH = n * RH;
-    float *A = scratch;             /* α per (u, i, k), k = r·H + h */
-    float *B = A + TT * nRH;        /* g_r · v_i */
-    float *QV = B + TT * nRH;       /* q_r · v_i (the score before ρ) */
-    float *SG = QV + TT * nRH;      /* σ(−s) for the sigmoid normaliser */
-    float *delta = SG + TT * nRH;   /* Δ per (u, k) */
-    float *a0 = delta + TT * RH;    /* weight of the initial state per (u, k) */
-    float *dq_tile = a0 + TT * RH;  /* static query gradient of the current tile (R, d) */
+    const int W = d / H, RH = R * H, TRH = TT * RH;
+    const i64 nTRH = (i64)n * TRH;
+    float *A = scratch;         /* α per (i, j), j = u·RH + r·H + h */
+    float *B = A + nTRH;        /* g_r · v_i */
+    float *QV = B + nTRH;       /* q_r · v_i (the score before ρ) */
+    float *SG = QV + nTRH;      /* σ(−s) for the sigmoid normaliser */
+    float *delta = SG + nTRH;   /* Δ per j */
+    float *a0 = delta + TRH;    /* weight of the initial state per j */
+    float *Lg = a0 + TRH;       /* the read's lse per j */
+    float *GO = Lg + TRH;       /* g · out per j (merges) */
+    float *dq_tile = GO + TRH;  /* static query gradient of the current tile (R, d) */
+    float *FC = dq_tile + R * d;       /* the key norm's coefficient per (source, token) */
+    float *FCu = FC + (i64)n * TT * H; /* one token's, per (source, head) */
+    float *ones = FCu + (i64)n * H;    /* (n + R)·H ones: base coefficients that accumulate */
+    for (int k = 0; k < (n + R) * H; k++) ones[k] = 1.f;
+    const float *xs[2 * R], *vs[n], *xall[n * TT], *qrows[R], *grows[R];
+    const int direct = row_dots_apply(d, H);
+    float *rows[n], *dqrows[R];
     for (i64 ta = t0; ta < t1; ta += TT) {
-        const int T = (int)(t1 - ta < TT ? t1 - ta : TT);
+        const int T = (int)(t1 - ta < TT ? t1 - ta : TT), TJ = T * RH;
         if (per_token) memset(dq_tok + ta * d, 0, sizeof(float) * T * d);
         else memset(dq_tile, 0, sizeof(float) * R * d);
-        /* pass 1: q·v and g·v of every (token, source, reader, head) */
-        for (int i = 0; i < n; i++)
+        /* pass 1: q·v and g·v of every (source, token, reader, head) */
+        for (int i = 0; i < n; i++) {
+            dot_batch bq = {.m = 0, .out = QV + (i64)i * TJ}, bg = {.m = 0, .out = B + (i64)i * TJ};
             for (int u = 0; u < T; u++) {
                 const i64 t = ta + u;
                 const float *v = srcs[i] + t * d;
                 if (t + TT < t1) prefetch_row(v + TT * d, d);
-                const i64 at = ((i64)u * n + i) * RH;
                 for (int r = 0; r < R; r++) {
-                    const float *qr = per_token ? q + t * d : q + (i64)r * d;
-                    const float *g = gout + ((i64)r * N + t) * d;
-                    if (i == 0 && t + TT < t1) prefetch_row(g + TT * d, d);
-                    for (int h = 0; h < H; h++) {
-                        QV[at + r * H + h] = dot(qr + h * W, v + h * W, W);
-                        B[at + r * H + h] = dot(g + h * W, v + h * W, W);
+                    qrows[r] = per_token ? q + t * d : q + (i64)r * d;
+                    grows[r] = gout[r] + t * d;
+                    if (i == 0 && t + TT < t1) prefetch_row(grows[r] + TT * d, d);
+                }
+                if (direct) {
+                    row_dots(v, qrows, R, d, bq.out);
+                    row_dots(v, grows, R, d, bg.out);
+                    bq.out += R, bg.out += R;
+                } else {
+                    for (int r = 0; r < R; r++) {
+                        score_row(&bq, qrows[r], v, d, H);
+                        score_row(&bg, grows[r], v, d, H);
                     }
                 }
             }
-        for (int u = 0; u < T; u++)
-            for (int i = 0; i < n; i++) {
-                const float rho = rms ? rms[i][ta + u] : 1.f;
-                const i64 at = ((i64)u * n + i) * RH;
-                for (int k = 0; k < RH; k++) A[at + k] = QV[at + k] * rho;
+            batch_flush(&bq, W);
+            batch_flush(&bg, W);
+            float *Ai = A + (i64)i * TJ;
+            const float *QVi = QV + (i64)i * TJ;
+            const float *rho = rms ? rms[i] + ta : NULL;
+            for (int u = 0; u < T; u++) {
+                const float p = rho ? rho[u] : 1.f;
+                for (int k = 0; k < RH; k++) Ai[u * RH + k] = QVi[u * RH + k] * p;
             }
+        }
         if (use_sigmoid) {
 #pragma omp simd
-            for (int j = 0; j < T * nRH; j++) SG[j] = 1.f / (1.f + exp_f(A[j])); /* σ(−s) = d log σ(s)/ds */
-            for (int j = 0; j < T * nRH; j++) A[j] = log_sigmoid(A[j]);
+            for (int j = 0; j < n * TJ; j++) SG[j] = 1.f / (1.f + exp_f(A[j])); /* σ(−s) = d log σ(s)/ds */
+            for (int j = 0; j < n * TJ; j++) A[j] = log_sigmoid(A[j]);
         }
-        for (int u = 0; u < T; u++)
-            for (int r = 0; r < R; r++)
-                for (int h = 0; h < H; h++) {
-                    const i64 row = ((i64)r * N + ta + u) * H + h;
-                    const float l = lse[row];
-                    for (int i = 0; i < n; i++) A[((i64)u * n + i) * RH + r * H + h] -= l;
-                    a0[u * RH + r * H + h] = lse0 ? lse0[row] - l : -INFINITY;
-                }
+        gather_rows(lse, Lg, N, ta, T, R, H);
+        for (int i = 0; i < n; i++) {
+            float *Ai = A + (i64)i * TJ;
 #pragma omp simd
-        for (int j = 0; j < T * nRH; j++) A[j] = exp_f(A[j]);
+            for (int j = 0; j < TJ; j++) Ai[j] = exp_f(Ai[j] - Lg[j]);
+        }
+        if (out) {
+            gather_rows(lse0, a0, N, ta, T, R, H);
 #pragma omp simd
-        for (int j = 0; j < T * RH; j++) a0[j] = exp_f(a0[j]);
+            for (int j = 0; j < TJ; j++) a0[j] = exp_f(a0[j] - Lg[j]);
+        }
         /* Δ = g·out − g_lse. Without an initial state g·out = Σ_i α_i b_i, from the sources.
          * With one (a merge), out = a0·o0 + Σ_i α_i v_i: g·out is taken from the saved output
          * (which is the next sublayer's input, kept anyway) and a0·(g·o0) = g·out − Σ_i α_i b_i,
          * so o0 itself is never needed: a phase-1 read's outputs die with the forward. */
-        for (int u = 0; u < T; u++) {
-            float *du = delta + u * RH;
-            for (int k = 0; k < RH; k++) du[k] = 0.f;
-            for (int i = 0; i < n; i++)
-                for (int k = 0; k < RH; k++) du[k] += A[((i64)u * n + i) * RH + k] * B[((i64)u * n + i) * RH + k];
+        for (int j = 0; j < TJ; j++) delta[j] = 0.f;
+        for (int i = 0; i < n; i++) {
+            const float *Ai = A + (i64)i * TJ, *Bi = B + (i64)i * TJ;
+#pragma omp simd
+            for (int j = 0; j < TJ; j++) delta[j] += Ai[j] * Bi[j];
+        }
+        if (out) {
+            dot_batch bo = {.m = 0, .out = GO};
+            for (int u = 0; u < T; u++)
+                for (int r = 0; r < R; r++) {
+                    score_row(&bo, gout[r] + (ta + u) * d, out[r] + (ta + u) * d, d, H);
+                }
+            batch_flush(&bo, W);
+        }
+        for (int u = 0; u < T; u++)
             for (int r = 0; r < R; r++)
                 for (int h = 0; h < H; h++) {
                     const i64 row = ((i64)r * N + ta + u) * H + h;
-                    const int k = r * H + h;
+                    const int j = (u * R + r) * H + h;
                     float a0b0 = 0.f;
                     if (out) {
                         const i64 at = ((i64)r * N + ta + u) * d + h * W;
-                        const float g_out = dot(gout + at, out + at, W);
-                        a0b0 = g_out - du[k];
-                        du[k] = g_out;
-                        const float a = a0[u * RH + k];
+                        const float *g = gout[r] + (ta + u) * d + h * W;
+                        a0b0 = GO[j] - delta[j];
+                        delta[j] = GO[j];
+                        const float a = a0[j];
 #pragma omp simd
-                        for (int c = 0; c < W; c++) do0[at + c] = a * gout[at + c];
+                        for (int c = 0; c < W; c++) do0[at + c] = a * g[c];
                     }
-                    if (glse) du[k] -= glse[row];
-                    if (out) dlse0[row] = a0b0 - a0[u * RH + k] * du[k];
+                    if (glse) delta[j] -= glse[row];
+                    if (out) dlse0[row] = a0b0 - a0[j] * delta[j];
                 }
+        /* dL/dt = α(b − Δ), then dL/ds (sigmoid: times σ(−s)), in place of B */
+        for (int i = 0; i < n; i++) {
+            const float *Ai = A + (i64)i * TJ;
+            float *Bi = B + (i64)i * TJ;
+            if (use_sigmoid) {
+                const float *SGi = SG + (i64)i * TJ;
+#pragma omp simd
+                for (int j = 0; j < TJ; j++) Bi[j] = Ai[j] * (Bi[j] - delta[j]) * SGi[j];
+            } else {
+#pragma omp simd
+                for (int j = 0; j < TJ; j++) Bi[j] = Ai[j] * (Bi[j] - delta[j]);
+            }
         }
-        /* pass 2: each source's gradient, written once (summed over readers), and dρ, dq */
-        for (int i = 0; i < n; i++)
+        /* pass 2: dρ per (source, token), then K = dL/ds · ρ in place of dL/ds */
+        for (int i = 0; i < n; i++) {
+            float *Ki = B + (i64)i * TJ;
+            const float *QVi = QV + (i64)i * TJ;
             for (int u = 0; u < T; u++) {
                 const i64 t = ta + u;
-                const float *v = srcs[i] + t * d;
                 const float rho = rms ? rms[i][t] : 1.f;
-                const i64 at = ((i64)u * n + i) * RH;
-                float *dv = dsrc[i] + t * d;
-                memset(dv, 0, sizeof(float) * d);
                 float drho = 0.f;
-                for (int r = 0; r < R; r++) {
-                    const float *qr = per_token ? q + t * d : q + (i64)r * d;
-                    const float *g = gout + ((i64)r * N + t) * d;
-                    float *dqr = per_token ? dq_tok + t * d : dq_tile + (i64)r * d;
-                    for (int h = 0; h < H; h++) {
-                        const int k = r * H + h;
-                        float ds = A[at + k] * (B[at + k] - delta[u * RH + k]); /* dL/dt, then dL/ds */
-                        if (use_sigmoid) ds *= SG[at + k];
-                        drho += ds * QV[at + k];
-                        axpy(dv + h * W, A[at + k], g + h * W, W);       /* value path */
-                        axpy(dv + h * W, ds * rho, qr + h * W, W);       /* key path */
-                        axpy(dqr + h * W, ds * rho, v + h * W, W);       /* query gradient */
-                    }
-                }
-                if (fold_rms && rms) {
-                    const float coef = -drho * rho * rho * rho / d;
-#pragma omp simd
-                    for (int c = 0; c < d; c++) dv[c] += coef * v[c];
-                } else if (drms) {
-                    drms[i][t] = drho;
-                }
+                for (int k = 0; k < RH; k++) drho += Ki[u * RH + k] * QVi[u * RH + k];
+                if (rms && fold_rms) FC[(i * T + u) * H] = -drho * rho * rho * rho / d;
+                else if (drms) drms[i][t] = drho;
+                for (int k = 0; k < RH; k++) Ki[u * RH + k] *= rho;
             }
+        }
+        /* each source row's gradient, written once: Σ_r α·g_r + K·q_r (+ the key norm's term) */
+        const int fold = fold_rms && rms;
+        for (int u = 0; u < T; u++) {
+            const i64 t = ta + u;
+            for (int r = 0; r < R; r++) {
+                xs[r] = gout[r] + t * d;
+                xs[R + r] = per_token ? q + t * d : q + (i64)r * d;
+            }
+            for (int i = 0; i < n; i++) {
+                rows[i] = dsrc[i] + t * d;
+                vs[i] = srcs[i] + t * d;
+            }
+            if (fold)
+                for (int i = 0; i < n; i++)
+                    for (int h = 0; h < H; h++) FCu[i * H + h] = FC[(i * T + u) * H];
+            /* row i's coefficients sit at i·TJ + u·RH + r·H + h: the value path, then the key path added */
+            mix_rows(rows, n, xs, R, A + u * RH, H, TJ, d, H, fold ? FCu : NULL, fold ? vs : NULL);
+            mix_rows(rows, n, xs + R, R, B + u * RH, H, TJ, d, H, ones, (const float *const *)rows);
+        }
+        /* the query gradient: Σ over (source, token) of K·v */
+        if (per_token) {
+            for (int u = 0; u < T; u++) {
+                const i64 t = ta + u;
+                for (int i = 0; i < n; i++) vs[i] = srcs[i] + t * d;
+                float *row = dq_tok + t * d;
+                mix_rows(&row, 1, vs, n, B + u * RH, TJ, H, d, H, NULL, NULL);
+            }
+        } else {
+            for (int i = 0; i < n; i++)
+                for (int u = 0; u < T; u++) xall[i * T + u] = srcs[i] + (ta + u) * d;
+            for (int r = 0; r < R; r++) dqrows[r] = dq_tile + (i64)r * d;
+            mix_rows(dqrows, R, xall, n * T, B, RH, H, d, H, ones, (const float *const *)dqrows);
+        }
         if (!per_token)
             for (int c = 0; c < R * d; c++) dq_static[c] += dq_tile[c];
     }
