@@ -15,8 +15,16 @@
  *   sources was latency-bound on a CPU), and the tile's slices of all sources stay in L1/L2 while
  *   all R readers score and mix them: each source streams from memory once per call, forward and
  *   backward; nothing of size (tokens × d) is written except the outputs themselves.
- * - Two passes over the cache-resident tile instead of an online softmax (no rescaling); the
- *   exponentials of a tile are one vectorised loop.
+ * - Two passes over the cache-resident tile instead of an online softmax (no rescaling). A tile's
+ *   logits are laid out [source][token·reader·head], so the max, the exponentials, the sums and
+ *   the normalisation each run over whole vectors.
+ * - At d_model 64 a read is bound by instructions, not memory, so the inner loops are blocked
+ *   for registers (AVX-512, where the compiler targets it; plain loops otherwise): dot products
+ *   are reduced four at a time (row_dots, dot_batch), heads narrower than 16 channels share one
+ *   16-lane product (head_dots), and every weighted sum of rows (the output, each source's
+ *   gradient, the static query's gradient) accumulates 4 rows × 64 channels in registers over
+ *   all its terms and is stored once (mix_rows). Outputs and incoming gradients are one pointer
+ *   per reader, so each reader's output can be a tensor of its own.
  * - The backward recomputes the scores from the sources and the saved lse (weights are never
  *   stored) and knows Δ = g·out − g_lse before it writes anything, so the query gradient is
  *   accumulated directly (no cancellation trick needed, unlike the Triton kernel). A merge's

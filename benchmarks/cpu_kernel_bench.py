@@ -1,0 +1,146 @@
+"""The C depth-read kernels (attnres/kernels/csrc/depth_read.c) on their own and inside a model.
+
+    python benchmarks/cpu_kernel_bench.py                      # isolated calls, the shapes below
+    python benchmarks/cpu_kernel_bench.py --shapes 25,9 8,5,16 # n sources, R readers[, heads[, merge]]
+    python benchmarks/cpu_kernel_bench.py --model block        # per-call times in training steps
+
+Isolated: one call of the forward and of the backward kernel over N tokens, buffers allocated
+once and reused (no allocation, warm caches), best of 5 batches; GFLOP/s counts 2·N·n·R·d
+multiply-adds per direction-pass (forward 2 of them, backward 5). In a model: the default model
+(d_model 64, `model.layers=16`, batch 16 × 128, one thread) steps as in model_bench.py and every
+kernel call is timed where it happens, grouped by (direction, sources, readers, merge): what the
+reads cost with the caches the sublayers leave behind. Prints only; one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnres import DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
+from attnres.kernels import cpu_kernels, native  # noqa: E402
+
+DEFAULT_SHAPES = ["1,1,1,1", "7,1,1,1", "8,5", "25,9", "8,5,16"]
+
+
+def _ptrs(ts):
+    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
+
+
+def isolated(n: int, R: int, H: int, merge: bool, N: int, d: int, reps: int) -> None:
+    lib = cpu_kernels._need()
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(N, d, generator=g) for _ in range(n)]
+    rms = [cpu_kernels.inv_rms_forward(s, 1e-6) for s in srcs]
+    q = torch.randn(R, d, generator=g) * 0.3
+    o0 = torch.randn(R, N, d, generator=g) if merge else None
+    lse0 = torch.randn(R, N, H, generator=g) if merge else None
+    out, lse, grad = torch.empty(R, N, d), torch.empty(R, N, H), torch.randn(R, N, d, generator=g)
+    dsrc = [torch.empty(N, d) for _ in range(n)]
+    dq, do0, dlse0 = torch.zeros(R, d, dtype=torch.float64), torch.empty(R, N, d), torch.empty(R, N, H)
+    scratch = torch.empty(64 * (4 * n + 4) * R * H + R * d + 66 * n * H + R * H)
+    sp, rp, op, gp, dp = _ptrs(srcs), _ptrs(rms), _ptrs(list(out.unbind(0))), _ptrs(list(grad.unbind(0))), _ptrs(dsrc)
+
+    def forward():
+        lib.attnres_read_forward(sp, rp, n, q.data_ptr(), 0, native.ptr(o0), native.ptr(lse0), op, lse.data_ptr(),
+                                 N, d, H, R, 0, 0, N, scratch.data_ptr())
+
+    def backward():
+        lib.attnres_read_backward(sp, rp, n, q.data_ptr(), 0, op if merge else None, native.ptr(lse0), lse.data_ptr(), gp,
+                                  None, dp, None, None, dq.data_ptr(), native.ptr(do0 if merge else None),
+                                  native.ptr(dlse0 if merge else None), N, d, H, R, 0, 1, 0, N, scratch.data_ptr())
+
+    times = []
+    for fn in (forward, backward):
+        for _ in range(3):
+            fn()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best = min(best, (time.perf_counter() - t) / reps)
+        times.append(best)
+    flop = 2 * N * n * R * d
+    kind = "merge" if merge else "read"
+    print(f"{kind:5s} n={n:2d} R={R} heads={H:2d} d={d} N={N}: forward {1e6 * times[0]:7.0f} µs "
+          f"({2 * flop / times[0] / 1e9:5.1f} GFLOP/s), backward {1e6 * times[1]:7.0f} µs ({5 * flop / times[1] / 1e9:5.1f} GFLOP/s)")
+
+
+def in_model(variant: str, steps: int) -> None:
+    cfg = ModelConfig(max_seq_len=128, d_model=64, layers=16, n_heads=2, d_ff=192, vocab_size=256)
+    g = torch.Generator().manual_seed(0)
+    idx, tgt = (torch.randint(0, 256, (16, 128), generator=g) for _ in range(2))
+    calls = collections.defaultdict(lambda: [0, 0.0])
+
+    def timed(name):
+        inner = getattr(cpu_kernels, name)
+
+        def wrapper(sources, inv_rms, query, init_out, *args, **kwargs):
+            t = time.perf_counter()
+            result = inner(sources, inv_rms, query, init_out, *args, **kwargs)
+            entry = calls[(name.split("_")[1], len(sources), query.shape[0], init_out is not None)]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t
+            return result
+
+        setattr(cpu_kernels, name, wrapper)
+
+    timed("read_forward")
+    timed("read_backward")
+    torch.manual_seed(0)
+    model = DecoderLM(cfg, ResidualConfig(name=variant))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        _, loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    calls.clear()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    print(f"{variant}: {1e3 * (time.perf_counter() - t) / steps:.1f} ms per training step, {steps} steps")
+    total = 0.0
+    for (direction, n, R, merge), (count, seconds) in sorted(calls.items()):
+        total += seconds
+        print(f"  {direction:8s} {'merge' if merge else 'read ':5s} n={n:2d} R={R}: {count // steps:3d} per step, "
+              f"{1e6 * seconds / count:7.1f} µs a call")
+    print(f"  kernels (with their Python wrappers): {1e3 * total / steps:.1f} ms per step")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES,
+                    help="n,R[,heads[,merge]]: sources, readers, heads (1), 1 for a phase-2 merge (0)")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--model", help="a residual variant: time the kernel calls inside its training steps")
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if not cpu_kernels.available():
+        raise SystemExit(f"the C kernels could not be built: {native.why_unavailable('depth_read')}")
+    if args.model:
+        in_model(args.model, args.steps)
+        return
+    for spec in args.shapes:
+        n, R, *rest = (int(x) for x in spec.split(","))
+        H, merge = (rest[0] if rest else 1), (rest[1] if len(rest) > 1 else 0)
+        isolated(n, R, H, bool(merge), args.tokens, args.d, args.reps)
+
+
+if __name__ == "__main__":
+    main()
