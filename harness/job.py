@@ -136,8 +136,9 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         if c.tracking.enabled and record.get("mlflow_run_id") and not folder.read_only:  # metrics its server missed
             replay_folder(c.tracking.uri, record["mlflow_run_id"], folder.path)
         value = record["final"]["final/val_loss"]
-        print(f"{folder.path.name}: already finished (val loss {value:.4f}, MLflow run "
-              f"{record.get('mlflow_run_id')}); train.resume=false trains it again", file=sys.stderr)
+        if not folder.read_only:  # under torchrun rank 0 reports for all
+            print(f"{folder.path.name}: already finished (val loss {value:.4f}, MLflow run "
+                  f"{record.get('mlflow_run_id')}); train.resume=false trains it again", file=sys.stderr)
         return value
     if record and record.get("status") == "failed" and not c.train.retry_failed:
         return _skip_failed(folder, record, multirun)
@@ -166,7 +167,8 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
     except BaseException as error:
         _end_on_error(tracker, folder, error)
         if isinstance(error, StopRequested):
-            print(f"{label}: {error} (SIGTERM); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
+            # every rank says where it stopped (they agree: the stop is decided collectively)
+            print(f"{label}: {error} ({trainer.stop_reason}); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
             raise SystemExit(REQUEUE_EXIT) from None  # also ends a multirun: the machine is going
         raise
     if folder is not None:
@@ -190,7 +192,8 @@ def _skip_failed(folder: RunFolder, record: dict[str, Any], multirun: bool) -> f
     reason = " ".join(str(record.get("failure") or "no reason recorded").split())
     line = (f"{folder.path.name}: failed before ({reason}); not trained again: add "
             f"train.retry_failed=true to resume it from its last good checkpoint")
-    print(line, file=sys.stderr, flush=True)
+    if not folder.read_only:  # under torchrun rank 0 reports for all
+        print(line, file=sys.stderr, flush=True)
     if multirun:
         raise PreviouslyFailed(line)
     raise SystemExit(1)
@@ -204,7 +207,7 @@ def _stop_on_sigterm(trainer: Trainer):
     if in_trial or threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: trainer.request_stop())
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: trainer.request_stop(signal.Signals(signum).name))
     try:
         yield
     finally:

@@ -60,6 +60,11 @@ class NonFiniteLoss(FloatingPointError):
         super().__init__(message)
         self.step = step
 
+    def __reduce__(self):
+        # Exceptions unpickle as cls(*args); args holds the message only, so say how to rebuild
+        # it: a failed job's exception crosses process boundaries (launchers) pickled.
+        return (type(self), (str(self), self.step))
+
 
 class StopRequested(Exception):
     """Training stopped early on request (after a checkpoint), e.g. by a SIGTERM handler."""
@@ -124,6 +129,7 @@ class Trainer:
         self.history: list[instrument.Record] = []
         self._kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
         self._stop_requested = False
+        self.stop_reason = "on request"  # set by request_stop: what the job reports
         self.checkpoint_failures = 0
 
     # -- state ------------------------------------------------------------------------------------
@@ -155,8 +161,10 @@ class Trainer:
         rank 0 (None on the others). Under FSDP every rank must call it."""
         return self.parallel.plain_model(self.model)
 
-    def request_stop(self) -> None:
-        """Stop after the current step, with a checkpoint (safe to call from a signal handler)."""
+    def request_stop(self, reason: str = "on request") -> None:
+        """Stop after the current step, with a checkpoint (safe to call from a signal handler);
+        reason (the signal's name) is what the job reports."""
+        self.stop_reason = reason
         self._stop_requested = True
 
     # -- pieces -----------------------------------------------------------------------------------

@@ -82,6 +82,35 @@ except RuntimeError as e:
     assert "no-such-cc" in out.stdout  # the reason names the compiler that was tried
 
 
+@pytest.mark.parametrize("heads", [1, 5])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_register_blocks_with_a_channel_tail_and_a_token_remainder(heads, per_token):
+    """d 80 = a 64-channel register block and a 16-channel tail; 210 tokens = three 64-token tiles
+    and a remainder; six sources (a block of 4 rows and a tail of 2 in the gradients' mixing).
+    Output and gradients of every input against the float64 reference, fp32 kernels, to 1e-4
+    relative to each tensor's largest entry (queries scaled by 1/√d, as a trained model's logits)."""
+    from attnres import depth_read
+
+    kernels.set_backend("cpu")
+    try:
+        g = torch.Generator().manual_seed(heads)
+        d, shape = 80, (3, 70, 80)
+        srcs = [(torch.randn(*shape, generator=g) * (0.5 + 0.3 * i)).requires_grad_() for i in range(6)]
+        q = ((torch.randn(*shape, generator=g) if per_token else torch.randn(d, generator=g)) / d**0.5).requires_grad_()
+        gain = (1 + 0.3 * torch.randn(d, generator=g)).requires_grad_()
+        grad = torch.randn(shape, generator=g)
+        inputs = srcs + [q, gain]
+        got = kernels.fused_depth_read(q, srcs, gain, heads=heads)
+        got_grads = torch.autograd.grad(got, inputs, grad)
+        exact = [x.detach().double().requires_grad_() for x in inputs]
+        want = depth_read(exact[6], exact[:6], exact[7], heads=heads)
+        want_grads = torch.autograd.grad(want, exact, grad.double())
+        for a, b in zip([got, *got_grads], [want, *want_grads]):
+            torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4 * b.abs().max().item())
+    finally:
+        kernels.set_backend(None)
+
+
 def test_threads_split_tokens_without_changing_the_result():
     """Two token ranges on two threads against one range, fp32: outputs and source gradients to
     1e-6 (a token at a range's end may fall in a vector loop's tail instead of its body, which

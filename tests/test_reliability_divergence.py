@@ -25,3 +25,13 @@ def test_a_diverging_job_fails_with_step_and_reason_and_the_multirun_goes_on(tmp
     (state,) = kept
     assert 0 < state["step"] < step  # a checkpoint from before the divergence is kept...
     assert all(torch.isfinite(v).all() for v in state["model"].values())  # ...and its weights are finite
+
+
+def test_the_divergence_error_survives_pickling_with_its_step():
+    """Launchers send a failed job's exception back pickled; NonFiniteLoss takes (message, step)."""
+    import pickle
+
+    from harness.train import NonFiniteLoss
+
+    err = pickle.loads(pickle.dumps(NonFiniteLoss("non-finite training loss (nan) at step 7", 7)))
+    assert type(err) is NonFiniteLoss and err.step == 7 and str(err) == "non-finite training loss (nan) at step 7"

@@ -85,3 +85,40 @@ def test_a_failed_job_is_skipped_on_rerun_and_retrained_only_when_asked(tmp_path
     assert len(changed) == 1 and "failed" in changed[0].read_text()
     parents = [r for r in runs(tmp_path) if r.data.tags.get("attnres.role") == "parent"]
     assert len(parents) == 1  # every rerun, retry included, stayed under the multirun's parent
+
+
+def test_under_torchrun_only_rank_0_reports_a_failed_run(tmp_path, capsys):
+    """Ranks other than 0 hold a read-only run folder: they stop as rank 0 does, silently."""
+    import pytest
+
+    from harness.checkpoint import RunFolder
+    from harness.job import _skip_failed
+
+    folder = RunFolder(tmp_path / "baseline-tiny-s0-0123456789ab")
+    folder.path.mkdir()
+    record = folder.write_record(status="failed", failure="NonFiniteLoss: non-finite loss nan at step 4")
+    with pytest.raises(SystemExit) as stop:
+        _skip_failed(RunFolder(folder.path, read_only=True), record, multirun=False)
+    assert stop.value.code == 1 and capsys.readouterr().err == ""
+
+
+def test_the_stop_signal_is_named_in_what_the_job_reports():
+    """SIGTERM, or submitit's requeue signal routed to the same handler, is recorded by name."""
+    import signal
+
+    from harness.job import _stop_on_sigterm
+
+    class Trainer:
+        stop_reason = None
+
+        def request_stop(self, reason):
+            self.stop_reason = reason
+
+    trainer = Trainer()
+    with _stop_on_sigterm(trainer):
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGUSR2, None)  # what _job_side.checkpoint_before_requeue hands on
+        assert trainer.stop_reason == "SIGUSR2"
+        signal.raise_signal(signal.SIGTERM)
+        assert trainer.stop_reason == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is not handler

@@ -16,9 +16,10 @@ Design decisions:
   job itself when its PreemptMode says so) and on ``scancel`` (which must stay cancelled); the
   job checkpoints and exits 75 either way, and SLURM decides.
 * **Results that cross the process boundary must load.** A failed job's exception travels back
-  pickled; one whose constructor takes other arguments than ``args`` (the harness's
-  NonFiniteLoss) cannot be unpickled, and the launching process would lose every result.
-  Such an exception is replaced by a RuntimeError carrying its type name and message.
+  pickled; one whose constructor takes other arguments than ``args`` and that does not say how
+  to rebuild itself (``__reduce__``, as the harness's NonFiniteLoss does) cannot be unpickled,
+  and the launching process would lose every result. Such an exception is replaced by a
+  RuntimeError carrying its type name and message.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def checkpoint_before_requeue() -> Iterator[None]:
         job_handler = signal.getsignal(signal.SIGTERM)
         if callable(job_handler) and not _is_submitit_handler(job_handler):
             received.append(signum)
-            job_handler(signal.SIGTERM, frame)  # the job's "checkpoint and stop"
+            job_handler(signum, frame)  # the job's "checkpoint and stop" (told which signal came)
         else:
             requeue(signum, frame)
 
