@@ -45,7 +45,7 @@ def isolated(n: int, R: int, H: int, merge: bool, N: int, d: int, reps: int) -> 
     out, lse, grad = torch.empty(R, N, d), torch.empty(R, N, H), torch.randn(R, N, d, generator=g)
     dsrc = [torch.empty(N, d) for _ in range(n)]
     dq, do0, dlse0 = torch.zeros(R, d, dtype=torch.float64), torch.empty(R, N, d), torch.empty(R, N, H)
-    scratch = torch.empty(64 * (4 * n + 4) * R * H + R * d + 66 * n * H + R * H)
+    scratch = torch.empty(cpu_kernels.scratch_floats(n, R, H, d, backward=True))  # enough for the forward too
     sp, rp, op, gp, dp = _ptrs(srcs), _ptrs(rms), _ptrs(list(out.unbind(0))), _ptrs(list(grad.unbind(0))), _ptrs(dsrc)
 
     def forward():

@@ -76,6 +76,14 @@ def _run(calls) -> None:
         f.result()
 
 
+def scratch_floats(n: int, R: int, heads: int, d: int, backward: bool) -> int:
+    """Floats of scratch one call of the forward or backward kernel needs for n sources and R
+    readers (the sizes stated in csrc/depth_read.c)."""
+    if not backward:
+        return _TT * (n + 3) * R * heads
+    return _TT * (4 * n + 4) * R * heads + R * d + (_TT + 2) * n * heads + R * heads
+
+
 def _rows(x) -> list:
     """The R reader rows of x: a (R, N, d) tensor or already a list of R (N, d) tensors."""
     return list(x) if isinstance(x, (list, tuple)) else list(x.unbind(0))
@@ -97,7 +105,7 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     lse = torch.empty(R, N, heads, dtype=torch.float32)
     src, rms, out_p = _ptrs(sources), _ptrs(inv_rms), _ptrs(outs)
     ranges = _ranges(N)
-    scratch = torch.empty(len(ranges), _TT * (len(sources) + 3) * R * heads, dtype=torch.float32)
+    scratch = torch.empty(len(ranges), scratch_floats(len(sources), R, heads, d, backward=False), dtype=torch.float32)
 
     def call(j, t0, t1):
         return lambda: lib.attnres_read_forward(
@@ -133,8 +141,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     ranges = _ranges(N)
     dq_tok = torch.empty(N, d, dtype=torch.float32) if per_token else None
     dq_static = None if per_token else torch.zeros(len(ranges), R, d, dtype=torch.float64)
-    per_call = _TT * (4 * n + 4) * R * heads + R * d + (_TT + 2) * n * heads + R * heads
-    scratch = torch.empty(len(ranges), per_call, dtype=torch.float32)
+    scratch = torch.empty(len(ranges), scratch_floats(n, R, heads, d, backward=True), dtype=torch.float32)
     src, rms = _ptrs(sources), _ptrs(inv_rms)
     dsrc_p, gout_p, out_p = _ptrs(dsrc), _ptrs(gouts), (_ptrs(outs) if outs is not None else None)
     drms_p = _ptrs(list(drms.unbind(0))) if drms is not None else None

@@ -410,7 +410,7 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
     float *GO = Lg + TRH;       /* g · out per j (merges) */
     float *dq_tile = GO + TRH;  /* static query gradient of the current tile (R, d) */
     float *FC = dq_tile + R * d;       /* the key norm's coefficient per (source, token) */
-    float *FCu = FC + (i64)n * TT * H; /* one token's, per (source, head) */
+    float *FCu = FC + (i64)n * TT;     /* one token's, per (source, head) */
     float *ones = FCu + (i64)n * H;    /* (n + R)·H ones: base coefficients that accumulate */
     for (int k = 0; k < (n + R) * H; k++) ones[k] = 1.f;
     const float *xs[2 * R], *vs[n], *xall[n * TT], *qrows[R], *grows[R];
@@ -418,8 +418,7 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
     float *rows[n], *dqrows[R];
     for (i64 ta = t0; ta < t1; ta += TT) {
         const int T = (int)(t1 - ta < TT ? t1 - ta : TT), TJ = T * RH;
-        if (per_token) memset(dq_tok + ta * d, 0, sizeof(float) * T * d);
-        else memset(dq_tile, 0, sizeof(float) * R * d);
+        if (!per_token) memset(dq_tile, 0, sizeof(float) * R * d); /* per-token rows are written whole */
         /* pass 1: q·v and g·v of every (source, token, reader, head) */
         for (int i = 0; i < n; i++) {
             dot_batch bq = {.m = 0, .out = QV + (i64)i * TJ}, bg = {.m = 0, .out = B + (i64)i * TJ};
@@ -527,7 +526,7 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
                 const float rho = rms ? rms[i][t] : 1.f;
                 float drho = 0.f;
                 for (int k = 0; k < RH; k++) drho += Ki[u * RH + k] * QVi[u * RH + k];
-                if (rms && fold_rms) FC[(i * T + u) * H] = -drho * rho * rho * rho / d;
+                if (rms && fold_rms) FC[i * T + u] = -drho * rho * rho * rho / d;
                 else if (drms) drms[i][t] = drho;
                 for (int k = 0; k < RH; k++) Ki[u * RH + k] *= rho;
             }
@@ -546,7 +545,7 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
             }
             if (fold)
                 for (int i = 0; i < n; i++)
-                    for (int h = 0; h < H; h++) FCu[i * H + h] = FC[(i * T + u) * H];
+                    for (int h = 0; h < H; h++) FCu[i * H + h] = FC[i * T + u];
             /* row i's coefficients sit at i·TJ + u·RH + r·H + h: the value path, then the key path added */
             mix_rows(rows, n, xs, R, A + u * RH, H, TJ, d, H, fold ? FCu : NULL, fold ? vs : NULL);
             mix_rows(rows, n, xs + R, R, B + u * RH, H, TJ, d, H, ones, (const float *const *)rows);
