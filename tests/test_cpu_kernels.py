@@ -111,7 +111,7 @@ def test_register_blocks_with_a_channel_tail_and_a_token_remainder(heads, per_to
         kernels.set_backend(None)
 
 
-def test_threads_split_tokens_without_changing_the_result():
+def test_threads_split_tokens_without_changing_the_result(monkeypatch):
     """Two token ranges on two threads against one range, fp32: outputs and source gradients to
     1e-6 (a token at a range's end may fall in a vector loop's tail instead of its body, which
     contracts multiply-adds differently), the static-query gradient, summed in fp32 over tiles of
@@ -123,15 +123,11 @@ def test_threads_split_tokens_without_changing_the_result():
     q = torch.randn(R, d, generator=g)
     grad = torch.randn(R, N, d, generator=g)
     results = {}
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            assert len(cpu_kernels._ranges(N)) == threads
-            out, lse = cpu_kernels.read_forward(srcs, rms, q, None, None, 1, False, False, torch.float32)
-            results[threads] = (out, lse, *cpu_kernels.read_backward(srcs, rms, q, None, None, lse, grad, None, 1, False, False)[:3])
-    finally:
-        torch.set_num_threads(before)
+    for threads in (1, 2):
+        monkeypatch.setenv("ATTNRES_CPU_THREADS", str(threads))
+        assert len(cpu_kernels._ranges(N)) == threads
+        out, lse = cpu_kernels.read_forward(srcs, rms, q, None, None, 1, False, False, torch.float32)
+        results[threads] = (out, lse, *cpu_kernels.read_backward(srcs, rms, q, None, None, lse, grad, None, 1, False, False)[:3])
     for a, b in zip(results[1][:4], results[2][:4]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[1][4], results[2][4], rtol=5e-5, atol=5e-5)
@@ -181,7 +177,17 @@ def test_auto_routes_compiled_cpu_reads_to_the_pytorch_path():
         kernels.set_backend(None)
 
 
-def test_a_forked_child_reads_with_threads_of_its_own():
+def test_the_thread_setting_is_one_by_default_and_checked(monkeypatch):
+    monkeypatch.delenv("ATTNRES_CPU_THREADS", raising=False)
+    assert cpu_kernels.threads() == 1 and len(cpu_kernels._ranges(4096)) == 1
+    monkeypatch.setenv("ATTNRES_CPU_THREADS", "auto")
+    assert cpu_kernels.threads() == torch.get_num_threads()
+    monkeypatch.setenv("ATTNRES_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match="ATTNRES_CPU_THREADS='0' is not allowed; allowed: a positive integer or 'auto'"):
+        cpu_kernels.threads()
+
+
+def test_a_forked_child_reads_with_threads_of_its_own(monkeypatch):
     """A fork after the thread pool exists (a DataLoader worker, a forking launcher) must not
     hand the child a pool whose threads stayed in the parent: the child's read finishes."""
     import signal
@@ -190,22 +196,19 @@ def test_a_forked_child_reads_with_threads_of_its_own():
     g = torch.Generator().manual_seed(0)
     srcs = [torch.randn(1024, 32, generator=g) for _ in range(3)]
     q = torch.randn(2, 32, generator=g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        want, _ = cpu_kernels.read_forward(srcs, [], q, None, None, 1, False, False, torch.float32)
-        pid = os.fork()
-        if pid == 0:
-            got, _ = cpu_kernels.read_forward(srcs, [], q, None, None, 1, False, False, torch.float32)
-            # compared in numpy: torch's own OpenMP pool is not usable after a fork
-            os._exit(0 if (got.numpy() == want.numpy()).all() else 1)
-        deadline = time.monotonic() + 60
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child's read hung (inherited a dead thread pool)")
-        assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's read differs from the parent's"
-    finally:
-        torch.set_num_threads(before)
+    monkeypatch.setenv("ATTNRES_CPU_THREADS", "2")
+    assert len(cpu_kernels._ranges(1024)) == 2
+    want, _ = cpu_kernels.read_forward(srcs, [], q, None, None, 1, False, False, torch.float32)
+    pid = os.fork()
+    if pid == 0:
+        got, _ = cpu_kernels.read_forward(srcs, [], q, None, None, 1, False, False, torch.float32)
+        # compared in numpy: torch's own OpenMP pool is not usable after a fork
+        os._exit(0 if (got.numpy() == want.numpy()).all() else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's read hung (inherited a dead thread pool)")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's read differs from the parent's"

@@ -5,9 +5,14 @@ readers are shared by both kernel paths. Two differences, both for the CPU's sak
 can fold the key norm's gradient into the sources' (fold_rms), and a merge's backward is given
 the read's output where the Triton backward takes the initial state (ops._setup).
 
-Threads: tokens are split into one contiguous range per thread (torch.get_num_threads(), when
-there are enough tokens to pay for it), each range a call that releases the GIL; the
-static-query gradient is summed over the ranges' own buffers.
+Threads (`threads()`): a call may split its tokens into contiguous ranges, each a call on its own
+thread that releases the GIL (the static-query gradient summed over the ranges' own buffers).
+One range by default: on the 2-core machine of benchmarks/RESULTS.md a second range on a Python
+thread made training slower, not faster, because it competes with torch's OpenMP workers, which
+spin for a while after each parallel op (2 torch threads, step-time ratios to the baseline, split
+and not alternating in one process, two runs: block 1.28–1.30 split against 1.24–1.26 not, full
+1.43–1.45 against 1.40–1.43; at d_model 128 block 1.155 against 1.124).
+ATTNRES_CPU_THREADS=k (or "auto": torch's thread count) splits where that pays.
 """
 from __future__ import annotations
 
@@ -50,8 +55,19 @@ def _ptrs(tensors) -> Optional[ctypes.Array]:
     return (_P * len(tensors))(*[t.data_ptr() for t in tensors]) if len(tensors) else None
 
 
+def threads() -> int:
+    """Threads a kernel call splits its tokens over: ATTNRES_CPU_THREADS, a positive integer or
+    "auto" (torch.get_num_threads()); 1 when unset (see the module docstring)."""
+    value = os.environ.get("ATTNRES_CPU_THREADS", "1").strip()
+    if value == "auto":
+        return torch.get_num_threads()
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"ATTNRES_CPU_THREADS={value!r} is not allowed; allowed: a positive integer or 'auto'")
+    return int(value)
+
+
 def _ranges(N: int) -> list[tuple[int, int]]:
-    k = max(1, min(torch.get_num_threads(), N // _MIN_TOKENS_PER_THREAD))
+    k = max(1, min(threads(), N // _MIN_TOKENS_PER_THREAD))
     step = -(-N // k)
     return [(t, min(N, t + step)) for t in range(0, N, step)]
 
