@@ -1,6 +1,7 @@
 """Correctness of the Triton kernels on a real GPU (the CPU tests run them under the interpreter).
 
-    python benchmarks/gpu_check.py        # needs CUDA and Triton; exits non-zero on a mismatch
+    python benchmarks/gpu_check.py          # needs CUDA and Triton; exits non-zero on a mismatch
+    python benchmarks/gpu_check.py --smoke  # the same checks, small, on CPU under Triton's interpreter
 
 Checks, on CUDA tensors: one read and its gradients against `attnres.depth_read` for every knob
 (key norm, softmax/sigmoid, per-token query, heads, a non-power-of-2 width) in fp32 and bf16; the
@@ -9,10 +10,14 @@ autocast training step of a small model through the kernels against the PyTorch 
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import torch
+if "--smoke" in sys.argv:  # read by Triton when it is first imported, so set before anything imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
