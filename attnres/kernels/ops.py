@@ -135,7 +135,7 @@ def _backward(ctx, grad_out, grad_lse, eager: bool = False):
         dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args)
     else:
         dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(*args)
-    d_sources = (list(dsrc) if isinstance(dsrc, list) else list(dsrc.unbind(0))) if n else []
+    d_sources = list(dsrc.unbind(0)) if n else []  # (the operator stacks the C kernels' list)
     d_rms = list(drms.unbind(0)) if k else []
     return (
         d_sources, d_rms, dq.to(query.dtype),
