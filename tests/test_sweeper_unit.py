@@ -313,3 +313,43 @@ def test_a_worker_done_early_never_leaves_a_finished_study_running(other_worker_
     writes = _ParentWrites(study, running if other_worker_finishes_meanwhile else None)
     _update_parent(writes, "parent-run-id", study, "FINISHED", n_trials=2)
     assert writes.statuses == expected
+
+
+class _NoLaunch:
+    def launch(self, *args, **kwargs):
+        raise AssertionError("a surplus trial must not run a job")
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_worker_that_loses_the_race_for_the_last_trial_voids_it_without_a_job(tmp_path, monkeypatch):
+    """Two workers pass the 'one trial left' check together; the one whose trial got the later
+    number finds it surplus: FAIL, marked void with the reason, no job, and the study's count stays
+    n_trials (the other worker's trial counts)."""
+    from hydra_plugins.attnres_optuna_sweeper._runner import SweepRunner
+    from hydra_plugins.attnres_optuna_sweeper._storage import open_storage
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'optuna.db'}", heartbeat_interval=60, grace_period=None)
+    runner = object.__new__(SweepRunner)  # no Hydra app here: only what _run_cell reads
+    runner.settings, runner.launcher = AttnresOptunaSweeperConf(), _NoLaunch()
+    sweep = plan("optim.lr=tag(log,interval(1e-3,1e-2))")
+    (cell,) = sweep.cells
+    name = cell.study_name("race")
+    other = optuna.create_study(study_name=name, storage=storage)
+    other.tell(other.ask(), 1.0)  # one of the two trials is done
+
+    real_ask = optuna.Study.ask
+
+    def ask_after_the_other_worker(self, *args, **kwargs):
+        real_ask(other)  # the other worker's ask lands first, after both saw one slot free
+        return real_ask(self, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "ask", ask_after_the_other_worker)
+    runner._run_cell(cell, sweep, "race", 2, storage, None, [])
+
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    assert [(t.number, t.state) for t in trials] == [
+        (0, TrialState.COMPLETE), (1, TrialState.RUNNING), (2, TrialState.FAIL)
+    ]
+    assert trials[2].user_attrs == {VOID_ATTR: "surplus"}
+    assert Ledger.of(trials).done + Ledger.of(trials).running == 2
+    storage.engine.dispose()
