@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
 from attnres.kernels import cpu_kernels, native  # noqa: E402
+from harness import malloc  # noqa: E402
 
 DEFAULT_SHAPES = ["1,1,1,1", "7,1,1,1", "8,5", "25,9", "8,5,16"]
 
@@ -131,6 +132,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    malloc.keep_freed_memory()  # as the harness trains (and model_bench.py measures)
     if not cpu_kernels.available():
         raise SystemExit(f"the C kernels could not be built: {native.why_unavailable('depth_read')}")
     if args.model:

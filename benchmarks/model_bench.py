@@ -16,6 +16,9 @@ Method (why the figures can be trusted on a shared, noisy machine):
   less so (`--threads 1`);
 - one training step = forward, loss, backward, AdamW step, zero_grad (set_to_none), like the
   harness's loop; warm-up steps first (allocator, optimizer state, compilation);
+- the allocator is set up as the harness sets it for training (harness/malloc.py: freed memory stays
+  in the process, so no variant faults its pages in again every step; `--malloc-default` leaves
+  glibc's own thresholds);
 - peak memory: CUDA: max_memory_allocated over a step above what was allocated before it, plus
   the model's parameters and optimizer state; CPU (no allocator statistics): the same quantity
   from the profiler's allocation events (every allocation and free of the step, in order).
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
 from attnres import kernels  # noqa: E402
+from harness import malloc  # noqa: E402  (the allocator settings training runs with)
 
 # Model presets: "default" is the harness's CPU default (conf/model/default.yaml: d_model 64,
 # 2 heads, d_ff 192; conf/train/default.yaml: batch 16 × 128, byte vocabulary) with
@@ -113,11 +117,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compile", action="store_true", help="torch.compile each model")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="leave glibc's malloc thresholds alone (default: as the harness trains, harness/malloc.py)")
     ap.add_argument("--json", help="output path (default benchmarks/results/model_bench_<device>.json)")
     args = ap.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    kept = False if args.malloc_default else malloc.keep_freed_memory()
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     preset = PRESETS[args.preset]
     mcfg = dict(preset["model"])
@@ -206,10 +213,10 @@ def main(argv=None) -> dict:
     info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
                 seq_len=seq_len, rounds=args.rounds, warmup=args.warmup, compile=args.compile,
                 autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
-                rows=rows)
+                keep_freed_memory=kept, rows=rows)
     print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
           f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "
-          f"{args.rounds} alternating rounds, compile={args.compile}")
+          f"{args.rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}")
     cpu_cols = f" {'cpu ms':>8s} {'cpu ratio':>9s} {'(IQR)':>15s}" if not cuda else ""
     print(f"{'variant':18s} {'step ms':>9s} {'time ratio':>10s} {'(IQR)':>15s}{cpu_cols} {'peak MiB':>9s} {'mem ratio':>9s}")
     for row in rows:

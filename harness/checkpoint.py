@@ -42,7 +42,7 @@ from harness.resolvers import PROJECT_ROOT
 # Keys that do not change what the run computes (prefixes of flattened keys).
 NOT_IDENTITY = (
     "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
-    "train.log_interval", "train.threads", "train.distributed", "train.retry_failed",
+    "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",
 )
 CHECKPOINT = "last.pt"
 RECORD = "run.json"

@@ -87,6 +87,7 @@ class TrainConfig:
     compile: bool | None = None  # null = on for CUDA, off on CPU (where it does not pay)
     device: str = "auto"  # auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps
     threads: int | None = None  # CPU intra-op threads; null = torch's default
+    keep_freed_memory: bool = True  # glibc keeps freed tensors for the next step (harness/malloc.py)
     distributed: ParallelMode | None = None  # under torchrun; null = ddp when WORLD_SIZE > 1
     seed: int = 0  # model init and data order
     # --- periodic work (steps; 0 = only at the end) ---

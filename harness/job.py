@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import distributed, instrument, provenance
+from harness import distributed, instrument, malloc, provenance
 from harness.checkpoint import RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
@@ -99,6 +99,8 @@ def run(cfg: DictConfig) -> float:
         spec = validate(cfg)
         if spec.cfg.train.threads:
             torch.set_num_threads(spec.cfg.train.threads)
+        if spec.cfg.train.keep_freed_memory and not malloc.keep_freed_memory():
+            log.info("train.keep_freed_memory: not glibc, the allocator keeps its own settings")
         data = load_data(spec.cfg.data, spec.cfg.train.seq_len)
         if spec.cfg.tracking.enabled and rank() == 0:
             check_tracking_uri(spec.cfg.tracking.uri)  # a dead server: seconds, not minutes of retries

@@ -98,7 +98,50 @@ def test_the_run_key_ignores_where_a_run_logs_but_not_what_it_computes(tmp_path)
     base = to_plain(validate(compose(_overrides(tmp_path))).cfg)
     other_uri = to_plain(validate(compose(_overrides(tmp_path, "tracking.uri=sqlite:////elsewhere.db"))).cfg)
     other_lr = to_plain(validate(compose(_overrides(tmp_path, "optim.lr=0.01"))).cfg)
-    assert checkpoint.run_key(base) == checkpoint.run_key(other_uri) != checkpoint.run_key(other_lr)
+    allocator = to_plain(validate(compose(_overrides(tmp_path, "train.keep_freed_memory=false"))).cfg)
+    assert checkpoint.run_key(base) == checkpoint.run_key(other_uri) == checkpoint.run_key(allocator)
+    assert checkpoint.run_key(base) != checkpoint.run_key(other_lr)
+
+
+# A cycle like a training step's: 4 MiB of heap blocks written, then all freed. glibc first sees one
+# 256 KiB block freed from mmap, as a model's first step gives it, and adapts its thresholds to it.
+_MALLOC_CYCLES = """
+import ctypes, resource, sys
+from harness import malloc
+libc = malloc._glibc()
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+if sys.argv[1] == "keep":
+    assert malloc.keep_freed_memory()
+libc.free(libc.malloc(256 << 10))
+faults = []
+for _ in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [libc.malloc(64 << 10) for _ in range(64)]
+    for b in blocks:
+        libc.memset(b, 1, 64 << 10)
+    for b in reversed(blocks):
+        libc.free(b)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+
+
+@pytest.mark.skipif(__import__("harness.malloc").malloc._glibc() is None, reason="glibc's mallopt only")
+def test_kept_freed_memory_is_not_faulted_in_again_each_cycle():
+    """glibc by default gives a freed heap top back to the kernel (its trim threshold follows the
+    largest block freed, 2 × 256 KiB here), so every cycle faults its 1,024 pages in again; with
+    keep_freed_memory only the first cycle does (page faults counted by getrusage)."""
+    import subprocess
+    import sys
+
+    faults = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", _MALLOC_CYCLES, mode], capture_output=True, text=True,
+                             cwd=checkpoint.PROJECT_ROOT, check=True).stdout
+        faults[mode] = [int(f) for f in out.split()]
+    assert min(faults["default"][1:]) > 768, faults  # most of 4 MiB = 1,024 pages, every cycle
+    assert faults["keep"][0] > 768 and max(faults["keep"][1:]) < 50, faults
 
 
 # --- outcomes in MLflow ----------------------------------------------------------------------------
