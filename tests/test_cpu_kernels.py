@@ -111,13 +111,14 @@ def test_register_blocks_with_a_channel_tail_and_a_token_remainder(heads, per_to
         kernels.set_backend(None)
 
 
-def test_threads_split_tokens_without_changing_the_result(monkeypatch):
+@pytest.mark.parametrize("R", [1, 3])  # one reader: the 16-token-lane path; several: the tiles
+def test_threads_split_tokens_without_changing_the_result(monkeypatch, R):
     """Two token ranges on two threads against one range, fp32: outputs and source gradients to
     1e-6 (a token at a range's end may fall in a vector loop's tail instead of its body, which
     contracts multiply-adds differently), the static-query gradient, summed in fp32 over tiles of
-    64 tokens that the split groups differently, to 5e-5 relative."""
+    64 tokens (groups of 16 for one reader) that the split groups differently, to 5e-5 relative."""
     g = torch.Generator().manual_seed(0)
-    N, d, R = 1000, 32, 3
+    N, d = 1000, 32
     srcs = [torch.randn(N, d, generator=g) for _ in range(5)]
     rms = [cpu_kernels.inv_rms_forward(s, 1e-6) for s in srcs]
     q = torch.randn(R, d, generator=g)
