@@ -40,7 +40,9 @@ def _glibc():
 
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds so that freed tensors stay in the process for the next
-    step (see the module docstring). Process-wide; returns whether it took effect."""
+    step (see the module docstring). Returns whether it took effect. Process-wide and one-way:
+    glibc has no call that gives back its adaptive thresholds, so in a multirun that runs its jobs
+    in one process, a later job with train.keep_freed_memory=false keeps the setting."""
     libc = _glibc()
     if libc is None:
         return False
