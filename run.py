@@ -12,13 +12,11 @@ Returns the final validation loss (for sweepers). Everything else lives in harne
 (docs/HARNESS.md): config (schemas, validation), job (one run), train (the loop), tracking
 (MLflow), checkpoint, provenance, instrument, callbacks (multirun parent run).
 """
-import os
+from harness import openmp
 
-# OpenMP threads that spin while waiting collapse when the CPU is shared (other jobs, a parallel
-# multirun): a training step measured 20-100x slower on a busy 2-core machine. Passive waiting
-# costs little when the machine is idle. Must be set before torch loads OpenMP; a user's own
-# setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's idle workers spin briefly, then sleep: fast on an idle machine, no collapse on a shared
+# one (measured in harness/openmp.py). Before torch loads OpenMP; a user's own setting wins.
+openmp.set_wait_policy()
 
 import hydra
 from omegaconf import DictConfig

@@ -7,7 +7,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("MPLBACKEND", "Agg")
-# As run.py does: spinning OpenMP threads collapse on a shared 2-core machine (see run.py).
+# Not as run.py does (a short spin, harness/openmp.py): the tests share a busy machine, where passive
+# waiting is the safe choice.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Hydra scans the hydra_plugins namespace once per process, the first time any test composes a

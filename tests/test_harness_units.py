@@ -218,3 +218,42 @@ def test_multihop_data_logs_probe_accuracy_per_hop(tmp_path):
     for k in (1, 2, 3, 4):
         history = client(tmp_path).get_metric_history(run.info.run_id, f"probe/acc_hop_{k}")
         assert [m.step for m in history] == [3, 6] and all(0 <= m.value <= 1 for m in history)
+
+
+# --- OpenMP's waiting ------------------------------------------------------------------------------
+
+def test_openmp_gets_a_short_spin_unless_the_user_chose_how_it_waits():
+    from harness import openmp
+
+    env = {}
+    openmp.set_wait_policy(env)
+    assert env == {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}
+    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "50"}):
+        env = dict(chosen)
+        openmp.set_wait_policy(env)
+        assert env == chosen
+
+
+def test_run_py_sets_the_wait_policy_before_torch_is_imported():
+    """What a process that starts run.py sees: the short spin in its environment (when the user set
+    neither variable) and torch not yet loaded when it was set, since libgomp reads it on loading."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.argv = ['run.py']; import run, os; "
+            "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=checkpoint.PROJECT_ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["1000", "None"]
+    # Nothing before the call may load torch: only harness.openmp is imported there, and it does not.
+    source = (checkpoint.PROJECT_ROOT / "run.py").read_text()
+    before = source[: source.index("openmp.set_wait_policy()")]
+    assert [line for line in before.splitlines() if line.startswith(("import ", "from "))] == ["from harness import openmp"]
+    probe = "import sys, harness.openmp; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], cwd=checkpoint.PROJECT_ROOT, env=env, capture_output=True,
+                          text=True, check=True).stdout.split() == ["False"]
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", code], cwd=checkpoint.PROJECT_ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["None", "PASSIVE"]
