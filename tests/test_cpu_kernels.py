@@ -178,14 +178,39 @@ def test_auto_routes_compiled_cpu_reads_to_the_pytorch_path():
         kernels.set_backend(None)
 
 
-def test_the_thread_setting_is_one_by_default_and_checked(monkeypatch):
+def test_the_thread_setting_follows_torch_by_default_and_is_checked(monkeypatch):
     monkeypatch.delenv("ATTNRES_CPU_THREADS", raising=False)
-    assert cpu_kernels.threads() == 1 and len(cpu_kernels._ranges(4096)) == 1
-    monkeypatch.setenv("ATTNRES_CPU_THREADS", "auto")
-    assert cpu_kernels.threads() == torch.get_num_threads()
+    threads = torch.get_num_threads()
+    try:
+        for k in (1, 3):
+            torch.set_num_threads(k)
+            assert cpu_kernels.threads() == k and len(cpu_kernels._ranges(4096)) == k
+        monkeypatch.setenv("ATTNRES_CPU_THREADS", "auto")
+        assert cpu_kernels.threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("ATTNRES_CPU_THREADS", "2")
+    assert [r for r in cpu_kernels._ranges(1000)] == [(0, 512), (512, 1000)]  # whole 64-token tiles
+    assert cpu_kernels._ranges(300) == [(0, 300)]  # at least 256 tokens a thread
     monkeypatch.setenv("ATTNRES_CPU_THREADS", "0")
     with pytest.raises(ValueError, match="ATTNRES_CPU_THREADS='0' is not allowed; allowed: a positive integer or 'auto'"):
         cpu_kernels.threads()
+
+
+def test_split_reads_run_on_torchs_own_openmp_runtime(monkeypatch):
+    """Where torch's OpenMP is libgomp from its own folder (the Linux wheels), the reads are built
+    with OpenMP and bind to that copy: after a read split over two threads, the process has one
+    libgomp mapped, not a second runtime with threads of its own."""
+
+    assert cpu_kernels.uses_openmp() == native.torch_uses_libgomp()
+    if not sys.platform.startswith("linux"):
+        return
+    monkeypatch.setenv("ATTNRES_CPU_THREADS", "2")
+    srcs = [torch.randn(1024, 32) for _ in range(3)]
+    cpu_kernels.read_forward(srcs, [], torch.randn(2, 32), None, None, 1, False, False, torch.float32)
+    with open("/proc/self/maps") as maps:
+        gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) <= 1, gomp
 
 
 def test_a_forked_child_reads_with_threads_of_its_own(monkeypatch):

@@ -5,20 +5,19 @@ readers are shared by both kernel paths. Two differences, both for the CPU's sak
 can fold the key norm's gradient into the sources' (fold_rms), and a merge's backward is given
 the read's output where the Triton backward takes the initial state (ops._setup).
 
-Threads (`threads()`): a call may split its tokens into contiguous ranges, each a call on its own
-thread that releases the GIL (the static-query gradient summed over the ranges' own buffers).
-One range by default: on the 2-core machine of benchmarks/RESULTS.md a second range on a Python
-thread made training slower, not faster, because it competes with torch's OpenMP workers, which
-spin for a while after each parallel op (2 torch threads, step-time ratios to the baseline, split
-and not alternating in one process, two runs: block 1.28–1.30 split against 1.24–1.26 not, full
-1.43–1.45 against 1.40–1.43; at d_model 128 block 1.155 against 1.124).
-ATTNRES_CPU_THREADS=k (or "auto": torch's thread count) splits where that pays.
+Threads (`threads()`): a call splits its tokens into contiguous ranges, one per OpenMP thread, in
+torch's own pool (the library is built with OpenMP only where it can share torch's runtime, see
+native.py; elsewhere the ranges run one after another on the calling thread). Default: as many as
+torch.get_num_threads(), so `torch.set_num_threads` governs the reads like every other op;
+ATTNRES_CPU_THREADS=k (or "auto") sets it apart. In a process forked after the pool started, one
+thread: libgomp's pool does not survive a fork (torch's own ops hang there too).
+An earlier version split over Python threads; on this project's 2-core machine that was slower in
+the model, because torch's spinning OpenMP workers held the cores the second thread needed.
 """
 from __future__ import annotations
 
 import ctypes
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -27,7 +26,7 @@ from . import native
 
 _MIN_TOKENS_PER_THREAD = 256
 _TT = 64  # tokens per tile: TT in csrc/depth_read.c
-_pool: Optional[ThreadPoolExecutor] = None
+_forked = False  # this process is a fork of one that may have started OpenMP's pool
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -38,6 +37,12 @@ _SIGNATURES = {
     "attnres_read_backward": [
         _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _I64, _I64, _P,
     ],
+    "attnres_read_forward_ranges": [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _P, _I64],
+    "attnres_read_backward_ranges": [
+        _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _P, _INT, _P,
+        _I64,
+    ],
+    "attnres_openmp": [],
     "attnres_inv_rms_forward": [_P, _P, _I64, _INT, ctypes.c_float],
     "attnres_inv_rms_backward": [_P, _P, _P, _P, _I64, _INT],
 }
@@ -57,39 +62,39 @@ def _ptrs(tensors) -> Optional[ctypes.Array]:
 
 def threads() -> int:
     """Threads a kernel call splits its tokens over: ATTNRES_CPU_THREADS, a positive integer or
-    "auto" (torch.get_num_threads()); 1 when unset (see the module docstring)."""
-    value = os.environ.get("ATTNRES_CPU_THREADS", "1").strip()
-    if value == "auto":
-        return torch.get_num_threads()
-    if not value.isdigit() or int(value) < 1:
+    "auto"; unset or "auto": torch.get_num_threads(). One in a forked child (see the module
+    docstring)."""
+    value = os.environ.get("ATTNRES_CPU_THREADS", "auto").strip()
+    if value != "auto" and (not value.isdigit() or int(value) < 1):
         raise ValueError(f"ATTNRES_CPU_THREADS={value!r} is not allowed; allowed: a positive integer or 'auto'")
-    return int(value)
+    if _forked:
+        return 1
+    return torch.get_num_threads() if value == "auto" else int(value)
+
+
+def uses_openmp() -> bool:
+    """Whether the library runs its token ranges on OpenMP threads (else one after another)."""
+    return bool(_need().attnres_openmp())
 
 
 def _ranges(N: int) -> list[tuple[int, int]]:
+    """Contiguous token ranges, whole tiles each but the last, at least _MIN_TOKENS_PER_THREAD long."""
     k = max(1, min(threads(), N // _MIN_TOKENS_PER_THREAD))
     step = -(-N // k)
+    step = -(-step // _TT) * _TT
     return [(t, min(N, t + step)) for t in range(0, N, step)]
 
 
-def _forget_pool() -> None:
-    global _pool
-    _pool = None  # a forked child inherits the pool object but not its threads
+def _bounds(ranges) -> ctypes.Array:
+    return (_I64 * (len(ranges) + 1))(*[r[0] for r in ranges], ranges[-1][1])
 
 
-os.register_at_fork(after_in_child=_forget_pool)
+def _after_fork() -> None:
+    global _forked
+    _forked = True
 
 
-def _run(calls) -> None:
-    """Run thunks in parallel: the first on this thread, the others on the pool's (ctypes drops
-    the GIL during each call)."""
-    global _pool
-    if len(calls) > 1 and (_pool is None or _pool._max_workers < len(calls) - 1):
-        _pool = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="attnres-cpu")
-    others = [_pool.submit(c) for c in calls[1:]]
-    calls[0]()
-    for f in others:
-        f.result()
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def scratch_floats(n: int, R: int, heads: int, d: int, backward: bool) -> int:
@@ -121,15 +126,12 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     lse = torch.empty(R, N, heads, dtype=torch.float32)
     src, rms, out_p = _ptrs(sources), _ptrs(inv_rms), _ptrs(outs)
     ranges = _ranges(N)
-    scratch = torch.empty(len(ranges), scratch_floats(len(sources), R, heads, d, backward=False), dtype=torch.float32)
-
-    def call(j, t0, t1):
-        return lambda: lib.attnres_read_forward(
-            src, rms, len(sources), query.data_ptr(), int(per_token), native.ptr(init_out), native.ptr(init_lse),
-            out_p, lse.data_ptr(), N, d, heads, R, int(sigmoid), t0, t1, scratch[j].data_ptr(),
-        )
-
-    _run([call(j, *r) for j, r in enumerate(ranges)])
+    floats = scratch_floats(len(sources), R, heads, d, backward=False)
+    scratch = torch.empty(len(ranges), floats, dtype=torch.float32)
+    lib.attnres_read_forward_ranges(
+        src, rms, len(sources), query.data_ptr(), int(per_token), native.ptr(init_out), native.ptr(init_lse),
+        out_p, lse.data_ptr(), N, d, heads, R, int(sigmoid), _bounds(ranges), len(ranges), scratch.data_ptr(), floats,
+    )
     if separate:
         return (outs if out_dtype == torch.float32 else [o.to(out_dtype) for o in outs]), lse
     return (out if out_dtype == torch.float32 else out.to(out_dtype)), lse
@@ -157,20 +159,17 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     ranges = _ranges(N)
     dq_tok = torch.empty(N, d, dtype=torch.float32) if per_token else None
     dq_static = None if per_token else torch.zeros(len(ranges), R, d, dtype=torch.float64)
-    scratch = torch.empty(len(ranges), scratch_floats(n, R, heads, d, backward=True), dtype=torch.float32)
+    floats = scratch_floats(n, R, heads, d, backward=True)
+    scratch = torch.empty(len(ranges), floats, dtype=torch.float32)
     src, rms = _ptrs(sources), _ptrs(inv_rms)
     dsrc_p, gout_p, out_p = _ptrs(dsrc), _ptrs(gouts), (_ptrs(outs) if outs is not None else None)
     drms_p = _ptrs(list(drms.unbind(0))) if drms is not None else None
-
-    def call(j, t0, t1):
-        return lambda: lib.attnres_read_backward(
-            src, rms, n, query.data_ptr(), int(per_token), out_p, native.ptr(init_lse), lse.data_ptr(),
-            gout_p, native.ptr(grad_lse), dsrc_p, drms_p, native.ptr(dq_tok),
-            None if dq_static is None else dq_static[j].data_ptr(), native.ptr(do0), native.ptr(dlse0),
-            N, d, heads, R, int(sigmoid), int(fold_rms), t0, t1, scratch[j].data_ptr(),
-        )
-
-    _run([call(j, *r) for j, r in enumerate(ranges)])
+    lib.attnres_read_backward_ranges(
+        src, rms, n, query.data_ptr(), int(per_token), out_p, native.ptr(init_lse), lse.data_ptr(),
+        gout_p, native.ptr(grad_lse), dsrc_p, drms_p, native.ptr(dq_tok), native.ptr(dq_static),
+        native.ptr(do0), native.ptr(dlse0), N, d, heads, R, int(sigmoid), int(fold_rms),
+        _bounds(ranges), len(ranges), scratch.data_ptr(), floats,
+    )
     dq = dq_tok if per_token else dq_static.sum(0).float()
     return dsrc, drms, dq, do0, dlse0
 

@@ -13,6 +13,13 @@ flags (the build uses -march=native), so a shared home directory on a mixed clus
 one node another's binary. Builds write to a temporary name and rename, so concurrent jobs of a
 multirun never load a half-written library.
 
+OpenMP (`OPENMP_LIBRARIES`): where torch's own OpenMP runtime is GNU libgomp, loaded from torch's
+lib folder as libgomp.so.1 (the Linux wheels), the depth reads are built with -fopenmp. Their
+dependency on libgomp.so.1 then binds to that already loaded copy, so their parallel regions run on
+the same worker threads as torch's ops and follow torch.set_num_threads; a second OpenMP runtime
+would bring a second set of threads competing for the cores. Anywhere else, or if the compiler
+cannot build with -fopenmp, they are built without it and run on the calling thread.
+
 If there is no compiler, or the build fails, `load` returns None and `why_unavailable` says why:
 the automatic backend then uses the PyTorch path (attnres.kernels).
 """
@@ -24,6 +31,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -38,6 +46,9 @@ FLAGS = [
     "-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
     "-fno-trapping-math", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC",
 ]
+
+# Libraries whose parallel regions share torch's OpenMP threads (see the module docstring).
+OPENMP_LIBRARIES = ("depth_read",)
 
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _errors: dict[str, str] = {}
@@ -65,11 +76,25 @@ def _cpu_identity() -> str:
     return platform.processor() or platform.machine()
 
 
+def torch_uses_libgomp() -> bool:
+    """Whether torch's OpenMP runtime is GNU libgomp from torch's own lib folder (soname libgomp.so.1)."""
+    return sys.platform.startswith("linux") and (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
+
+
 def _build(name: str, cc: str) -> Path:
+    if name in OPENMP_LIBRARIES and torch_uses_libgomp():
+        try:
+            return _build_with(name, cc, FLAGS + ["-fopenmp"])
+        except (RuntimeError, subprocess.SubprocessError):
+            pass  # a compiler without OpenMP: the same kernels, on the calling thread
+    return _build_with(name, cc, FLAGS)
+
+
+def _build_with(name: str, cc: str, flags: list[str]) -> Path:
     source = CSRC / f"{name}.c"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
     headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # what the sources include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_identity()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version, _cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target
@@ -77,7 +102,7 @@ def _build(name: str, cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
         os.replace(tmp, target)

@@ -39,8 +39,8 @@
  *   needs no autograd node of its own.
  * - The static-query gradient is summed over a tile in float and flushed into double per tile:
  *   fp32 arithmetic, no drift over long sequences.
- * - Each call handles a token range [t0, t1) and adds its query gradient into its own buffer, so
- *   a caller may split the tokens across threads.
+ * - Each call handles a token range [t0, t1) and adds its query gradient into its own buffer;
+ *   the *_ranges entry points run several ranges on OpenMP threads (torch's, see native.py).
  * - Vector-friendly math (own exp/log, no fminf/fmaxf) from vector_math.h; rows are prefetched a
  *   tile ahead.
  * Pointers are raw; shapes and contiguity are checked by the Python wrapper (cpu_kernels.py).
@@ -776,6 +776,45 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
         if (!per_token)
             for (int c = 0; c < R * d; c++) dq_static[c] += dq_tile[c];
     }
+    return 0;
+}
+
+/* ---- token ranges on OpenMP threads -----------------------------------------------------------
+ * Built with -fopenmp only where torch's runtime is GNU libgomp (native.py): this library then
+ * uses torch's own worker threads, and a range per thread runs while torch's ops wait. */
+int attnres_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* attnres_read_forward over the k ranges [bounds[j], bounds[j + 1]), one per thread; range j uses
+ * scratch + j·scratch_floats. */
+int attnres_read_forward_ranges(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
+                                const float *o0, const float *lse0, float *const *out, float *lse, i64 N, int d, int H,
+                                int R, int use_sigmoid, const i64 *bounds, int k, float *scratch, i64 scratch_floats) {
+#pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
+    for (int j = 0; j < k; j++)
+        attnres_read_forward(srcs, rms, n, q, per_token, o0, lse0, out, lse, N, d, H, R, use_sigmoid, bounds[j],
+                             bounds[j + 1], scratch + j * scratch_floats);
+    return 0;
+}
+
+/* attnres_read_backward over the k ranges, one per thread; range j uses scratch + j·scratch_floats
+ * and adds its static-query gradient into dq_static + j·R·d (the caller sums the k). */
+int attnres_read_backward_ranges(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
+                                 const float *const *out, const float *lse0, const float *lse, const float *const *gout,
+                                 const float *glse, float *const *dsrc, float *const *drms, float *dq_tok,
+                                 double *dq_static, float *do0, float *dlse0, i64 N, int d, int H, int R,
+                                 int use_sigmoid, int fold_rms, const i64 *bounds, int k, float *scratch,
+                                 i64 scratch_floats) {
+#pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
+    for (int j = 0; j < k; j++)
+        attnres_read_backward(srcs, rms, n, q, per_token, out, lse0, lse, gout, glse, dsrc, drms, dq_tok,
+                              dq_static ? dq_static + (i64)j * R * d : NULL, do0, dlse0, N, d, H, R, use_sigmoid,
+                              fold_rms, bounds[j], bounds[j + 1], scratch + j * scratch_floats);
     return 0;
 }
 
