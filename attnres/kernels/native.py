@@ -17,8 +17,9 @@ OpenMP (`OPENMP_LIBRARIES`): where torch's own OpenMP runtime is GNU libgomp, lo
 lib folder as libgomp.so.1 (the Linux wheels), the depth reads are built with -fopenmp. Their
 dependency on libgomp.so.1 then binds to that already loaded copy, so their parallel regions run on
 the same worker threads as torch's ops and follow torch.set_num_threads; a second OpenMP runtime
-would bring a second set of threads competing for the cores. Anywhere else, or if the compiler
-cannot build with -fopenmp, they are built without it and run on the calling thread.
+would bring a second set of threads competing for the cores. Anywhere else (clang, whose
+-fopenmp links its own libomp, included), or if the compiler cannot build with -fopenmp, they are
+built without it and run on the calling thread.
 
 If there is no compiler, or the build fails, `load` returns None and `why_unavailable` says why:
 the automatic backend then uses the PyTorch path (attnres.kernels).
@@ -82,17 +83,18 @@ def torch_uses_libgomp() -> bool:
 
 
 def _build(name: str, cc: str) -> Path:
-    if name in OPENMP_LIBRARIES and torch_uses_libgomp():
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
+    # GCC's -fopenmp links libgomp; clang's would link libomp, a second runtime beside torch's.
+    if name in OPENMP_LIBRARIES and torch_uses_libgomp() and "clang" not in version.lower():
         try:
-            return _build_with(name, cc, FLAGS + ["-fopenmp"])
+            return _build_with(name, cc, version, FLAGS + ["-fopenmp"])
         except (RuntimeError, subprocess.SubprocessError):
             pass  # a compiler without OpenMP: the same kernels, on the calling thread
-    return _build_with(name, cc, FLAGS)
+    return _build_with(name, cc, version, FLAGS)
 
 
-def _build_with(name: str, cc: str, flags: list[str]) -> Path:
+def _build_with(name: str, cc: str, version: str, flags: list[str]) -> Path:
     source = CSRC / f"{name}.c"
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
     headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # what the sources include
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version, _cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
