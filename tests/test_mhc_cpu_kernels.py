@@ -257,3 +257,31 @@ def test_pytorch_path_gradchecks_in_float64(backend):
     m = perturbed_mhc(d, 1, n, iters=3).double()
     Hs = torch.randn(2, n, d, dtype=torch.float64, generator=gen(9), requires_grad=True)
     assert torch.autograd.gradcheck(lambda H: m.mixing(0, H), (Hs,))
+
+
+def test_threads_split_tokens_without_changing_the_result(monkeypatch):
+    """Every stream kernel over 1,000 tokens on two OpenMP threads against one, fp32: the per-token
+    outputs and gradients bit for bit (the split falls between 16-token tiles, each computed the
+    same way), the mix's gate and bias gradients, summed per thread in double, to 1e-6 relative."""
+    n, d, iters, N = 4, 16, 5, 1000
+    g = gen(11)
+    H = torch.randn(N, n, d, generator=g)
+    proj = torch.randn(N, 2 * n + n * n, generator=g)
+    gates, bias = torch.rand(3, generator=g) + 0.5, torch.randn(2 * n + n * n, generator=g)
+    dh, dpost, dres = torch.randn(N, d, generator=g), torch.randn(N, n, generator=g), torch.randn(N, n, n, generator=g)
+    v, G = torch.randn(N, d, generator=g), torch.randn(N, n, d, generator=g)
+    results = {}
+    for threads in ("1", "2"):
+        monkeypatch.setenv("ATTNRES_CPU_THREADS", threads)
+        assert cpu_streams._threads(N) == int(threads)
+        rstd, h, pre, post, res = cpu_streams.mix_forward(H, proj, gates, bias, iters, 1e-6, want_pre=True)
+        GH, dproj, dgates, dbias = cpu_streams.mix_backward(H, proj, rstd, gates, bias, dh, dpost, dres, G, iters)
+        Hn = cpu_streams.update_forward(H, v, post, res)
+        upd = cpu_streams.update_backward(G, H, v, post, res)
+        sk = cpu_streams.sinkhorn_forward(proj[:, 2 * n:].reshape(N, n, n).contiguous(), iters)
+        dsk = cpu_streams.sinkhorn_backward(proj[:, 2 * n:].reshape(N, n, n).contiguous(), dres, iters)
+        results[threads] = ([rstd, h, pre, post, res, GH, dproj, Hn, *upd, sk, dsk], [dgates, dbias])
+    for a, b in zip(results["1"][0], results["2"][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(results["1"][1], results["2"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())

@@ -5,7 +5,7 @@ readers are shared by both kernel paths. Two differences, both for the CPU's sak
 can fold the key norm's gradient into the sources' (fold_rms), and a merge's backward is given
 the read's output where the Triton backward takes the initial state (ops._setup).
 
-Threads (`threads()`): a call splits its tokens into contiguous ranges, one per OpenMP thread, in
+Threads (`native.threads()`): a call splits its tokens into contiguous ranges, one per OpenMP thread, in
 torch's own pool (the library is built with OpenMP only where it can share torch's runtime, see
 native.py; elsewhere the ranges run one after another on the calling thread). Default: as many as
 torch.get_num_threads(), so `torch.set_num_threads` governs the reads like every other op;
@@ -23,10 +23,10 @@ from typing import Optional
 import torch
 
 from . import native
+from .native import threads
 
 _MIN_TOKENS_PER_THREAD = 256
 _TT = 64  # tokens per tile: TT in csrc/depth_read.c
-_forked = False  # this process is a fork of one that may have started OpenMP's pool
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -60,18 +60,6 @@ def _ptrs(tensors) -> Optional[ctypes.Array]:
     return (_P * len(tensors))(*[t.data_ptr() for t in tensors]) if len(tensors) else None
 
 
-def threads() -> int:
-    """Threads a kernel call splits its tokens over: ATTNRES_CPU_THREADS, a positive integer or
-    "auto"; unset or "auto": torch.get_num_threads(). One in a forked child (see the module
-    docstring)."""
-    value = os.environ.get("ATTNRES_CPU_THREADS", "auto").strip()
-    if value != "auto" and (not value.isdigit() or int(value) < 1):
-        raise ValueError(f"ATTNRES_CPU_THREADS={value!r} is not allowed; allowed: a positive integer or 'auto'")
-    if _forked:
-        return 1
-    return torch.get_num_threads() if value == "auto" else int(value)
-
-
 def uses_openmp() -> bool:
     """Whether the library runs its token ranges on OpenMP threads (else one after another)."""
     return bool(_need().attnres_openmp())
@@ -89,12 +77,6 @@ def _bounds(ranges) -> ctypes.Array:
     return (_I64 * (len(ranges) + 1))(*[r[0] for r in ranges], ranges[-1][1])
 
 
-def _after_fork() -> None:
-    global _forked
-    _forked = True
-
-
-os.register_at_fork(after_in_child=_after_fork)
 
 
 def scratch_floats(n: int, R: int, heads: int, d: int, backward: bool) -> int:

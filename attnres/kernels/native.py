@@ -14,7 +14,7 @@ one node another's binary. Builds write to a temporary name and rename, so concu
 multirun never load a half-written library.
 
 OpenMP (`OPENMP_LIBRARIES`): where torch's own OpenMP runtime is GNU libgomp, loaded from torch's
-lib folder as libgomp.so.1 (the Linux wheels), the depth reads are built with -fopenmp. Their
+lib folder as libgomp.so.1 (the Linux wheels), the kernels are built with -fopenmp. Their
 dependency on libgomp.so.1 then binds to that already loaded copy, so their parallel regions run on
 the same worker threads as torch's ops and follow torch.set_num_threads; a second OpenMP runtime
 would bring a second set of threads competing for the cores. Anywhere else (clang, whose
@@ -49,7 +49,7 @@ FLAGS = [
 ]
 
 # Libraries whose parallel regions share torch's OpenMP threads (see the module docstring).
-OPENMP_LIBRARIES = ("depth_read",)
+OPENMP_LIBRARIES = ("depth_read", "streams")
 
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _errors: dict[str, str] = {}
@@ -159,6 +159,28 @@ def why_unavailable(name: str) -> Optional[str]:
 
 
 # --- arguments of the ctypes calls, shared by the wrappers (cpu_kernels.py, cpu_streams.py) -------
+
+def threads() -> int:
+    """Threads a kernel call splits its tokens over: ATTNRES_CPU_THREADS, a positive integer or
+    "auto"; unset or "auto": torch.get_num_threads(), so that torch.set_num_threads governs the
+    kernels like torch's own ops. One in a process forked after OpenMP's pool may have started:
+    libgomp's pool does not survive a fork (torch's own ops hang there too)."""
+    value = os.environ.get("ATTNRES_CPU_THREADS", "auto").strip()
+    if value != "auto" and (not value.isdigit() or int(value) < 1):
+        raise ValueError(f"ATTNRES_CPU_THREADS={value!r} is not allowed; allowed: a positive integer or 'auto'")
+    if _forked:
+        return 1
+    return torch.get_num_threads() if value == "auto" else int(value)
+
+
+def _after_fork() -> None:
+    global _forked
+    _forked = True
+
+
+_forked = False  # this process is a fork (see threads)
+os.register_at_fork(after_in_child=_after_fork)
+
 
 def check_fp32_cpu(what: str, *tensors) -> None:
     """One clear error instead of a crash: the kernels read raw contiguous fp32 memory."""

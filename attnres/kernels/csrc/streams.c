@@ -28,6 +28,10 @@
  *   are ruled out): plain comparisons.
  * - The matmuls stay with the caller (torch): they are most of the arithmetic, a BLAS does them
  *   well, and FLOP counters (torch.utils.flop_counter) see them there.
+ * - Every function takes a thread count and splits its tokens (whole tiles) over that many
+ *   OpenMP threads, torch's own (native.py builds this file with -fopenmp only where the two
+ *   share libgomp). The mix backward's parameter gradients are summed per thread and added in
+ *   thread order, so a given thread count always gives the same result.
  * Pointers are raw; shapes, dtype and contiguity are checked by the wrapper (cpu_streams.py).
  */
 #include <math.h>
@@ -36,6 +40,10 @@
 #include <string.h>
 
 #include "vector_math.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef int64_t i64;
 
@@ -136,43 +144,56 @@ static inline __attribute__((always_inline)) void sinkhorn_tile_backward(const f
 }
 
 /* Sinkhorn on (N, n, n) logits, out (N, n, n). Returns 0. */
-int mhc_sinkhorn_forward(const float *logits, float *out, i64 N, int n, int iters) {
+int mhc_sinkhorn_forward(const float *logits, float *out, i64 N, int n, int iters, int threads) {
     const int nn = n * n;
-    float *M = tile_alloc((i64)nn * TT);
-    if (!M) return -1;
-    for (i64 ta = 0; ta < N; ta += TT) {
-        const int T = (int)(N - ta < TT ? N - ta : TT);
-        for (int k = 0; k < nn; k++)
-            for (int u = 0; u < TT; u++) M[k * TT + u] = u < T ? logits[(ta + u) * nn + k] : 0.f;
-        if (n == 4) sinkhorn_tile(M, 4, iters, NULL, NULL);
-        else sinkhorn_tile(M, n, iters, NULL, NULL);
-        for (int u = 0; u < T; u++)
-            for (int k = 0; k < nn; k++) out[(ta + u) * nn + k] = M[k * TT + u];
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        float *M = tile_alloc((i64)nn * TT);
+        failed |= !M;
+#pragma omp for schedule(static)
+        for (i64 ta = 0; ta < N; ta += TT) {
+            if (!M) continue;
+            const int T = (int)(N - ta < TT ? N - ta : TT);
+            for (int k = 0; k < nn; k++)
+                for (int u = 0; u < TT; u++) M[k * TT + u] = u < T ? logits[(ta + u) * nn + k] : 0.f;
+            if (n == 4) sinkhorn_tile(M, 4, iters, NULL, NULL);
+            else sinkhorn_tile(M, n, iters, NULL, NULL);
+            for (int u = 0; u < T; u++)
+                for (int k = 0; k < nn; k++) out[(ta + u) * nn + k] = M[k * TT + u];
+        }
+        free(M);
     }
-    free(M);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* The gradient of the logits (N, n, n) from the output's gradient grad (N, n, n). Returns 0. */
-int mhc_sinkhorn_backward(const float *logits, const float *grad, float *dlogits, i64 N, int n, int iters) {
+int mhc_sinkhorn_backward(const float *logits, const float *grad, float *dlogits, i64 N, int n, int iters,
+                          int threads) {
     const int nn = n * n;
-    float *L = tile_alloc(2 * nn * TT + sinkhorn_scratch(n, iters));
-    if (!L) return -1;
-    float *G = L + nn * TT, *scratch = G + nn * TT;
-    for (i64 ta = 0; ta < N; ta += TT) {
-        const int T = (int)(N - ta < TT ? N - ta : TT);
-        for (int k = 0; k < nn; k++)
-            for (int u = 0; u < TT; u++) {
-                L[k * TT + u] = u < T ? logits[(ta + u) * nn + k] : 0.f;
-                G[k * TT + u] = u < T ? grad[(ta + u) * nn + k] : 0.f;
-            }
-        if (n == 4) sinkhorn_tile_backward(L, G, 4, iters, scratch);
-        else sinkhorn_tile_backward(L, G, n, iters, scratch);
-        for (int u = 0; u < T; u++)
-            for (int k = 0; k < nn; k++) dlogits[(ta + u) * nn + k] = G[k * TT + u];
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        float *L = tile_alloc(2 * nn * TT + sinkhorn_scratch(n, iters));
+        failed |= !L;
+        float *G = L ? L + nn * TT : NULL, *scratch = L ? G + nn * TT : NULL;
+#pragma omp for schedule(static)
+        for (i64 ta = 0; ta < N; ta += TT) {
+            if (!L) continue;
+            const int T = (int)(N - ta < TT ? N - ta : TT);
+            for (int k = 0; k < nn; k++)
+                for (int u = 0; u < TT; u++) {
+                    L[k * TT + u] = u < T ? logits[(ta + u) * nn + k] : 0.f;
+                    G[k * TT + u] = u < T ? grad[(ta + u) * nn + k] : 0.f;
+                }
+            if (n == 4) sinkhorn_tile_backward(L, G, 4, iters, scratch);
+            else sinkhorn_tile_backward(L, G, n, iters, scratch);
+            for (int u = 0; u < T; u++)
+                for (int k = 0; k < nn; k++) dlogits[(ta + u) * nn + k] = G[k * TT + u];
+        }
+        free(L);
     }
-    free(L);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* ---- the mix: coefficients and pre-mix of one sublayer ----------------------------------- */
@@ -201,13 +222,18 @@ static void load_z(const float *H, const float *proj, float *rstd, int find_rstd
 /* Forward. H (N, n, d), proj (N, m), gates (3): α_pre, α_post, α_res; bias (m). Writes rstd (N),
  * h (N, d), post (N, n), res (N, n, n), and pre (N, n) unless NULL. Returns 0, -1 without memory. */
 int mhc_mix_forward(const float *H, const float *proj, const float *gates, const float *bias, float *rstd, float *h,
-                    float *pre_out, float *post, float *res, i64 N, int n, int d, int iters, float eps) {
+                    float *pre_out, float *post, float *res, i64 N, int n, int d, int iters, float eps, int threads) {
     const int nn = n * n, m = 2 * n + nn, nd = n * d;
-    float *Z = tile_alloc((i64)(m + n) * TT);
-    if (!Z) return -1;
-    float *P = Z + m * TT, rs[TT];
     const float a_pre = gates[0], a_post = gates[1], a_res = gates[2];
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+    float *Z = tile_alloc((i64)(m + n) * TT);
+    failed |= !Z;
+    float *P = Z ? Z + m * TT : NULL, rs[TT];
+#pragma omp for schedule(static)
     for (i64 ta = 0; ta < N; ta += TT) {
+        if (!Z) continue;
         const int T = (int)(N - ta < TT ? N - ta : TT);
         load_z(H, proj, rstd, 1, eps, ta, T, n, d, m, Z, rs);
         for (int k = 0; k < n; k++)
@@ -236,7 +262,8 @@ int mhc_mix_forward(const float *H, const float *proj, const float *gates, const
         }
     }
     free(Z);
-    return 0;
+    }
+    return failed ? -1 : 0;
 }
 
 /* Backward of the mix. Gradients in: dh (N, d), dpost (N, n), dres (N, n, n), gH (N, n, d) (the
@@ -245,17 +272,31 @@ int mhc_mix_forward(const float *H, const float *proj, const float *gates, const
  * dgates (3), dbias (m) added into (double). Returns 0, -1 without memory. */
 int mhc_mix_backward(const float *H, const float *proj, const float *rstd, const float *gates, const float *bias,
                      const float *dh, const float *dpost, const float *dres, const float *gH, float *G, float *dproj,
-                     double *dgates, double *dbias, i64 N, int n, int d, int iters) {
+                     double *dgates, double *dbias, i64 N, int n, int d, int iters, int threads) {
     const int nn = n * n, m = 2 * n + nn, nd = n * d;
-    float *Z = tile_alloc((i64)(2 * m + n + n * n) * TT + sinkhorn_scratch(n, iters));
-    if (!Z) return -1;
-    float *U = Z + m * TT;      /* logits, then the gradient of the pre-activations u = α·z + b */
-    float *P = U + m * TT;      /* pre */
-    float *scratch = P + n * TT;
-    float rs[TT], coef[TT];
     const float alpha[3] = {gates[0], gates[1], gates[2]};
-    double dgate_acc[3] = {0., 0., 0.};
+    /* each thread sums dgates and dbias over its own tokens; the sums are added in thread order
+     * afterwards, so a given thread count always gives the same result */
+    double *acc = calloc((size_t)(threads > 1 ? threads : 1) * (3 + m), sizeof(double));
+    if (!acc) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+    float *Z = tile_alloc((i64)(2 * m + n + n * n) * TT + sinkhorn_scratch(n, iters));
+    failed |= !Z;
+    float *U = Z ? Z + m * TT : NULL;      /* logits, then the gradient of the pre-activations u = α·z + b */
+    float *P = Z ? U + m * TT : NULL;      /* pre */
+    float *scratch = Z ? P + n * TT : NULL;
+    float rs[TT], coef[TT];
+#ifdef _OPENMP
+    double *dgate_acc = acc + (i64)omp_get_thread_num() * (3 + m);
+#else
+    double *dgate_acc = acc;
+#endif
+    double *dbias_acc = dgate_acc + 3;
+#pragma omp for schedule(static)
     for (i64 ta = 0; ta < N; ta += TT) {
+        if (!Z) continue;
         const int T = (int)(N - ta < TT ? N - ta : TT);
         load_z(H, proj, (float *)rstd, 0, 0.f, ta, T, n, d, m, Z, rs);
         /* pre and its gradient dpre_k = dh · H_k */
@@ -306,7 +347,7 @@ int mhc_mix_backward(const float *H, const float *proj, const float *rstd, const
                 coef[u] += dz * proj[(ta + u) * m + k]; /* d rstd */
             }
             dgate_acc[g] += sz;
-            dbias[k] += su;
+            dbias_acc[k] += su;
         }
         /* G_k = gH_k + pre_k·dh + d rstd · (−rstd³/(n·d)) · H_k */
         for (int u = 0; u < T; u++) {
@@ -328,17 +369,23 @@ int mhc_mix_backward(const float *H, const float *proj, const float *rstd, const
             }
         }
     }
-    for (int g = 0; g < 3; g++) dgates[g] += dgate_acc[g];
     free(Z);
-    return 0;
+    }
+    for (int j = 0; j < (threads > 1 ? threads : 1); j++) {
+        for (int g = 0; g < 3; g++) dgates[g] += acc[(i64)j * (3 + m) + g];
+        for (int k = 0; k < m; k++) dbias[k] += acc[(i64)j * (3 + m) + 3 + k];
+    }
+    free(acc);
+    return failed ? -1 : 0;
 }
 
 /* ---- the update: H'_i = post_i·v + Σ_j res_ij·H_j ---------------------------------------- */
 
 /* Hp (N, n, d), v (N, d), post (N, n), res (N, n, n) → Hn (N, n, d). Returns 0. */
 int mhc_update_forward(const float *Hp, const float *v, const float *post, const float *res, float *Hn, i64 N, int n,
-                       int d) {
+                       int d, int threads) {
     const i64 nd = (i64)n * d;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (i64 t = 0; t < N; t++) {
         const float *Hpt = Hp + t * nd, *vt = v + t * d, *rt = res + t * n * n;
         float *Hnt = Hn + t * nd;
@@ -354,8 +401,9 @@ int mhc_update_forward(const float *Hp, const float *v, const float *post, const
 /* Backward of the update from G (N, n, d), the gradient of Hn: dHp (N, n, d), dv (N, d),
  * dpost (N, n), dres (N, n, n). Returns 0. */
 int mhc_update_backward(const float *G, const float *Hp, const float *v, const float *post, const float *res,
-                        float *dHp, float *dv, float *dpost, float *dres, i64 N, int n, int d) {
+                        float *dHp, float *dv, float *dpost, float *dres, i64 N, int n, int d, int threads) {
     const i64 nd = (i64)n * d;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (i64 t = 0; t < N; t++) {
         const float *Gt = G + t * nd, *Hpt = Hp + t * nd, *vt = v + t * d, *rt = res + t * n * n;
         float *dHt = dHp + t * nd, *dvt = dv + t * d;
