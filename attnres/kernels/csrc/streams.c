@@ -228,40 +228,40 @@ int mhc_mix_forward(const float *H, const float *proj, const float *gates, const
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
-    float *Z = tile_alloc((i64)(m + n) * TT);
-    failed |= !Z;
-    float *P = Z ? Z + m * TT : NULL, rs[TT];
+        float *Z = tile_alloc((i64)(m + n) * TT);
+        failed |= !Z;
+        float *P = Z ? Z + m * TT : NULL, rs[TT];
 #pragma omp for schedule(static)
-    for (i64 ta = 0; ta < N; ta += TT) {
-        if (!Z) continue;
-        const int T = (int)(N - ta < TT ? N - ta : TT);
-        load_z(H, proj, rstd, 1, eps, ta, T, n, d, m, Z, rs);
-        for (int k = 0; k < n; k++)
+        for (i64 ta = 0; ta < N; ta += TT) {
+            if (!Z) continue;
+            const int T = (int)(N - ta < TT ? N - ta : TT);
+            load_z(H, proj, rstd, 1, eps, ta, T, n, d, m, Z, rs);
+            for (int k = 0; k < n; k++)
 #pragma omp simd
-            for (int u = 0; u < TT; u++) {
-                P[k * TT + u] = sigmoid(a_pre * Z[k * TT + u] + bias[k]);
-                Z[(n + k) * TT + u] = 2.f * sigmoid(a_post * Z[(n + k) * TT + u] + bias[n + k]);
-            }
-        float *R = Z + 2 * n * TT;
-        for (int k = 0; k < nn; k++)
+                for (int u = 0; u < TT; u++) {
+                    P[k * TT + u] = sigmoid(a_pre * Z[k * TT + u] + bias[k]);
+                    Z[(n + k) * TT + u] = 2.f * sigmoid(a_post * Z[(n + k) * TT + u] + bias[n + k]);
+                }
+            float *R = Z + 2 * n * TT;
+            for (int k = 0; k < nn; k++)
 #pragma omp simd
-            for (int u = 0; u < TT; u++) R[k * TT + u] = a_res * R[k * TT + u] + bias[2 * n + k];
-        if (n == 4) sinkhorn_tile(R, 4, iters, NULL, NULL);
-        else sinkhorn_tile(R, n, iters, NULL, NULL);
-        for (int u = 0; u < T; u++) {
-            const i64 t = ta + u;
-            for (int k = 0; k < n; k++) {
-                post[t * n + k] = Z[(n + k) * TT + u];
-                if (pre_out) pre_out[t * n + k] = P[k * TT + u];
+                for (int u = 0; u < TT; u++) R[k * TT + u] = a_res * R[k * TT + u] + bias[2 * n + k];
+            if (n == 4) sinkhorn_tile(R, 4, iters, NULL, NULL);
+            else sinkhorn_tile(R, n, iters, NULL, NULL);
+            for (int u = 0; u < T; u++) {
+                const i64 t = ta + u;
+                for (int k = 0; k < n; k++) {
+                    post[t * n + k] = Z[(n + k) * TT + u];
+                    if (pre_out) pre_out[t * n + k] = P[k * TT + u];
+                }
+                for (int k = 0; k < nn; k++) res[t * nn + k] = R[k * TT + u];
+                const float *Ht = H + t * nd;
+                float *ht = h + t * d;
+                scale_into(ht, P[u], Ht, d);
+                for (int k = 1; k < n; k++) axpy(ht, P[k * TT + u], Ht + k * d, d);
             }
-            for (int k = 0; k < nn; k++) res[t * nn + k] = R[k * TT + u];
-            const float *Ht = H + t * nd;
-            float *ht = h + t * d;
-            scale_into(ht, P[u], Ht, d);
-            for (int k = 1; k < n; k++) axpy(ht, P[k * TT + u], Ht + k * d, d);
         }
-    }
-    free(Z);
+        free(Z);
     }
     return failed ? -1 : 0;
 }
@@ -282,94 +282,94 @@ int mhc_mix_backward(const float *H, const float *proj, const float *rstd, const
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
-    float *Z = tile_alloc((i64)(2 * m + n + n * n) * TT + sinkhorn_scratch(n, iters));
-    failed |= !Z;
-    float *U = Z ? Z + m * TT : NULL;      /* logits, then the gradient of the pre-activations u = α·z + b */
-    float *P = Z ? U + m * TT : NULL;      /* pre */
-    float *scratch = Z ? P + n * TT : NULL;
-    float rs[TT], coef[TT];
+        float *Z = tile_alloc((i64)(2 * m + n + n * n) * TT + sinkhorn_scratch(n, iters));
+        failed |= !Z;
+        float *U = Z ? Z + m * TT : NULL;      /* logits, then the gradient of the pre-activations u = α·z + b */
+        float *P = Z ? U + m * TT : NULL;      /* pre */
+        float *scratch = Z ? P + n * TT : NULL;
+        float rs[TT], coef[TT];
 #ifdef _OPENMP
-    double *dgate_acc = acc + (i64)omp_get_thread_num() * (3 + m);
+        double *dgate_acc = acc + (i64)omp_get_thread_num() * (3 + m);
 #else
-    double *dgate_acc = acc;
+        double *dgate_acc = acc;
 #endif
-    double *dbias_acc = dgate_acc + 3;
+        double *dbias_acc = dgate_acc + 3;
 #pragma omp for schedule(static)
-    for (i64 ta = 0; ta < N; ta += TT) {
-        if (!Z) continue;
-        const int T = (int)(N - ta < TT ? N - ta : TT);
-        load_z(H, proj, (float *)rstd, 0, 0.f, ta, T, n, d, m, Z, rs);
-        /* pre and its gradient dpre_k = dh · H_k */
-        for (int k = 0; k < n; k++) {
+        for (i64 ta = 0; ta < N; ta += TT) {
+            if (!Z) continue;
+            const int T = (int)(N - ta < TT ? N - ta : TT);
+            load_z(H, proj, (float *)rstd, 0, 0.f, ta, T, n, d, m, Z, rs);
+            /* pre and its gradient dpre_k = dh · H_k */
+            for (int k = 0; k < n; k++) {
 #pragma omp simd
-            for (int u = 0; u < TT; u++) P[k * TT + u] = sigmoid(alpha[0] * Z[k * TT + u] + bias[k]);
-            for (int u = 0; u < TT; u++) {
-                const float g = (dh && u < T) ? dot(dh + (ta + u) * d, H + (ta + u) * nd + k * d, d) : 0.f;
-                U[k * TT + u] = g * (1.f - P[k * TT + u]) * P[k * TT + u];
+                for (int u = 0; u < TT; u++) P[k * TT + u] = sigmoid(alpha[0] * Z[k * TT + u] + bias[k]);
+                for (int u = 0; u < TT; u++) {
+                    const float g = (dh && u < T) ? dot(dh + (ta + u) * d, H + (ta + u) * nd + k * d, d) : 0.f;
+                    U[k * TT + u] = g * (1.f - P[k * TT + u]) * P[k * TT + u];
+                }
             }
-        }
-        /* post = 2σ(u): du = 2·dpost·σ(1−σ) */
-        for (int k = 0; k < n; k++) {
-            float *Uk = U + (n + k) * TT;
-            for (int u = 0; u < TT; u++) Uk[u] = (dpost && u < T) ? dpost[(ta + u) * n + k] : 0.f;
+            /* post = 2σ(u): du = 2·dpost·σ(1−σ) */
+            for (int k = 0; k < n; k++) {
+                float *Uk = U + (n + k) * TT;
+                for (int u = 0; u < TT; u++) Uk[u] = (dpost && u < T) ? dpost[(ta + u) * n + k] : 0.f;
 #pragma omp simd
-            for (int u = 0; u < TT; u++) {
-                const float s = sigmoid(alpha[1] * Z[(n + k) * TT + u] + bias[n + k]);
-                Uk[u] = 2.f * Uk[u] * (1.f - s) * s;
+                for (int u = 0; u < TT; u++) {
+                    const float s = sigmoid(alpha[1] * Z[(n + k) * TT + u] + bias[n + k]);
+                    Uk[u] = 2.f * Uk[u] * (1.f - s) * s;
+                }
             }
-        }
-        /* res: the Sinkhorn backward from its logits */
-        float *Ur = U + 2 * n * TT;
-        if (dres) {
-            float *Lg = scratch; /* the logits, read-only for the backward; its scratch follows */
-            float *work = scratch + nn * TT;
-            for (int k = 0; k < nn; k++)
+            /* res: the Sinkhorn backward from its logits */
+            float *Ur = U + 2 * n * TT;
+            if (dres) {
+                float *Lg = scratch; /* the logits, read-only for the backward; its scratch follows */
+                float *work = scratch + nn * TT;
+                for (int k = 0; k < nn; k++)
 #pragma omp simd
-                for (int u = 0; u < TT; u++) Lg[k * TT + u] = alpha[2] * Z[(2 * n + k) * TT + u] + bias[2 * n + k];
-            for (int k = 0; k < nn; k++)
-                for (int u = 0; u < TT; u++) Ur[k * TT + u] = u < T ? dres[(ta + u) * nn + k] : 0.f;
-            if (n == 4) sinkhorn_tile_backward(Lg, Ur, 4, iters, work);
-            else sinkhorn_tile_backward(Lg, Ur, n, iters, work);
-        } else {
-            memset(Ur, 0, sizeof(float) * nn * TT);
-        }
-        /* u = α_g·z + b: dα_g = Σ du·z, db = Σ du, dz = α_g·du; z = rstd·proj */
-        for (int u = 0; u < TT; u++) coef[u] = 0.f;
-        for (int k = 0; k < m; k++) {
-            const int g = k < n ? 0 : (k < 2 * n ? 1 : 2);
-            float sz = 0.f, su = 0.f;
+                    for (int u = 0; u < TT; u++) Lg[k * TT + u] = alpha[2] * Z[(2 * n + k) * TT + u] + bias[2 * n + k];
+                for (int k = 0; k < nn; k++)
+                    for (int u = 0; u < TT; u++) Ur[k * TT + u] = u < T ? dres[(ta + u) * nn + k] : 0.f;
+                if (n == 4) sinkhorn_tile_backward(Lg, Ur, 4, iters, work);
+                else sinkhorn_tile_backward(Lg, Ur, n, iters, work);
+            } else {
+                memset(Ur, 0, sizeof(float) * nn * TT);
+            }
+            /* u = α_g·z + b: dα_g = Σ du·z, db = Σ du, dz = α_g·du; z = rstd·proj */
+            for (int u = 0; u < TT; u++) coef[u] = 0.f;
+            for (int k = 0; k < m; k++) {
+                const int g = k < n ? 0 : (k < 2 * n ? 1 : 2);
+                float sz = 0.f, su = 0.f;
+                for (int u = 0; u < T; u++) {
+                    const float du = U[k * TT + u];
+                    sz += du * Z[k * TT + u];
+                    su += du;
+                    const float dz = alpha[g] * du;
+                    dproj[(ta + u) * m + k] = rs[u] * dz;
+                    coef[u] += dz * proj[(ta + u) * m + k]; /* d rstd */
+                }
+                dgate_acc[g] += sz;
+                dbias_acc[k] += su;
+            }
+            /* G_k = gH_k + pre_k·dh + d rstd · (−rstd³/(n·d)) · H_k */
             for (int u = 0; u < T; u++) {
-                const float du = U[k * TT + u];
-                sz += du * Z[k * TT + u];
-                su += du;
-                const float dz = alpha[g] * du;
-                dproj[(ta + u) * m + k] = rs[u] * dz;
-                coef[u] += dz * proj[(ta + u) * m + k]; /* d rstd */
-            }
-            dgate_acc[g] += sz;
-            dbias_acc[k] += su;
-        }
-        /* G_k = gH_k + pre_k·dh + d rstd · (−rstd³/(n·d)) · H_k */
-        for (int u = 0; u < T; u++) {
-            const i64 t = ta + u;
-            const float c = coef[u] * -(rs[u] * rs[u] * rs[u]) / (float)nd;
-            for (int k = 0; k < n; k++) { /* one pass per stream: G written once */
-                const float *restrict Hk = H + t * nd + k * d, *restrict gk = gH ? gH + t * nd + k * d : NULL;
-                const float *restrict dht = dh ? dh + t * d : NULL;
-                float *restrict Gk = G + t * nd + k * d;
-                const float p = P[k * TT + u];
-                if (gk && dht) {
+                const i64 t = ta + u;
+                const float c = coef[u] * -(rs[u] * rs[u] * rs[u]) / (float)nd;
+                for (int k = 0; k < n; k++) { /* one pass per stream: G written once */
+                    const float *restrict Hk = H + t * nd + k * d, *restrict gk = gH ? gH + t * nd + k * d : NULL;
+                    const float *restrict dht = dh ? dh + t * d : NULL;
+                    float *restrict Gk = G + t * nd + k * d;
+                    const float p = P[k * TT + u];
+                    if (gk && dht) {
 #pragma omp simd
-                    for (int e = 0; e < d; e++) Gk[e] = gk[e] + c * Hk[e] + p * dht[e];
-                } else {
-                    scale_into(Gk, c, Hk, d);
-                    if (gk) axpy(Gk, 1.f, gk, d);
-                    if (dht) axpy(Gk, p, dht, d);
+                        for (int e = 0; e < d; e++) Gk[e] = gk[e] + c * Hk[e] + p * dht[e];
+                    } else {
+                        scale_into(Gk, c, Hk, d);
+                        if (gk) axpy(Gk, 1.f, gk, d);
+                        if (dht) axpy(Gk, p, dht, d);
+                    }
                 }
             }
         }
-    }
-    free(Z);
+        free(Z);
     }
     for (int j = 0; j < (threads > 1 ? threads : 1); j++) {
         for (int g = 0; g < 3; g++) dgates[g] += acc[(i64)j * (3 + m) + g];
