@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig, kernels
-from attnres.kernels import cpu_streams
+from attnres.kernels import cpu_streams, native
 from attnres.residuals import ManifoldHyperConnections, sinkhorn
 from attnres.residuals import hyper_connections as hc
 
@@ -273,7 +273,7 @@ def test_threads_split_tokens_without_changing_the_result(monkeypatch):
     results = {}
     for threads in ("1", "2"):
         monkeypatch.setenv("ATTNRES_CPU_THREADS", threads)
-        assert cpu_streams._threads(N) == int(threads)
+        assert native.threads(N) == int(threads)
         rstd, h, pre, post, res = cpu_streams.mix_forward(H, proj, gates, bias, iters, 1e-6, want_pre=True)
         GH, dproj, dgates, dbias = cpu_streams.mix_backward(H, proj, rstd, gates, bias, dh, dpost, dres, G, iters)
         Hn = cpu_streams.update_forward(H, v, post, res)

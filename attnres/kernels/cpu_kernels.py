@@ -5,19 +5,17 @@ readers are shared by both kernel paths. Two differences, both for the CPU's sak
 can fold the key norm's gradient into the sources' (fold_rms), and a merge's backward is given
 the read's output where the Triton backward takes the initial state (ops._setup).
 
-Threads (`native.threads()`): a call splits its tokens into contiguous ranges, one per OpenMP thread, in
-torch's own pool (the library is built with OpenMP only where it can share torch's runtime, see
-native.py; elsewhere the ranges run one after another on the calling thread). Default: as many as
-torch.get_num_threads(), so `torch.set_num_threads` governs the reads like every other op;
-ATTNRES_CPU_THREADS=k (or "auto") sets it apart. In a process forked after the pool started, one
-thread: libgomp's pool does not survive a fork (torch's own ops hang there too).
+Threads (`native.threads`): a call splits its tokens into contiguous ranges, one per OpenMP
+thread, in torch's own pool (the library is built with OpenMP only where it can share torch's
+runtime, see native.py; elsewhere the ranges run one after another on the calling thread). As many
+as torch.get_num_threads() by default, so `torch.set_num_threads` governs the reads like every
+other op; ATTNRES_CPU_THREADS=k sets it apart; one in a forked child.
 An earlier version split over Python threads; on this project's 2-core machine that was slower in
 the model, because torch's spinning OpenMP workers held the cores the second thread needed.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
 
 import torch
@@ -25,7 +23,6 @@ import torch
 from . import native
 from .native import threads
 
-_MIN_TOKENS_PER_THREAD = 256
 _TT = 64  # tokens per tile: TT in csrc/depth_read.c
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -66,9 +63,8 @@ def uses_openmp() -> bool:
 
 
 def _ranges(N: int) -> list[tuple[int, int]]:
-    """Contiguous token ranges, whole tiles each but the last, at least _MIN_TOKENS_PER_THREAD long."""
-    k = max(1, min(threads(), N // _MIN_TOKENS_PER_THREAD))
-    step = -(-N // k)
+    """Contiguous token ranges, one per thread (native.threads), whole tiles each but the last."""
+    step = -(-N // threads(N))
     step = -(-step // _TT) * _TT
     return [(t, min(N, t + step)) for t in range(0, N, step)]
 

@@ -4,8 +4,8 @@ attnres/residuals/hyper_connections.py; this module only checks, allocates and c
 
 The state is one (..., n, d) tensor (per token the n streams, contiguous); `N` below is the
 number of tokens, the product of the leading dimensions. Each function is one call over all
-tokens, split over torch's OpenMP threads (`native.threads()`, at least 256 tokens a thread) where
-the library is built with OpenMP (see native.py).
+tokens, split over torch's OpenMP threads (`native.threads`) where the library is built with
+OpenMP (see native.py).
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ _SIGNATURES = {  # each ends with the thread count
     "mhc_update_forward": [_P, _P, _P, _P, _P, _I64, _INT, _INT, _INT],
     "mhc_update_backward": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT],
 }
-_MIN_TOKENS_PER_THREAD = 256
 
 
 def available() -> bool:
@@ -58,10 +57,6 @@ def _tokens(x: torch.Tensor, trailing: int) -> int:
     return size
 
 
-def _threads(N: int) -> int:
-    return max(1, min(native.threads(), N // _MIN_TOKENS_PER_THREAD))
-
-
 def sinkhorn_forward(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Sinkhorn-Knopp of exp(logits − max) for logits (..., n, n)."""
     lib = _need()
@@ -69,7 +64,7 @@ def sinkhorn_forward(logits: torch.Tensor, iters: int) -> torch.Tensor:
     n = logits.shape[-1]
     out = torch.empty_like(logits)
     N = _tokens(logits, 2)
-    _done(lib.mhc_sinkhorn_forward(logits.data_ptr(), out.data_ptr(), N, n, iters, _threads(N)), "sinkhorn")
+    _done(lib.mhc_sinkhorn_forward(logits.data_ptr(), out.data_ptr(), N, n, iters, native.threads(N)), "sinkhorn")
     return out
 
 
@@ -80,7 +75,7 @@ def sinkhorn_backward(logits: torch.Tensor, grad: torch.Tensor, iters: int) -> t
     dlogits = torch.empty_like(logits)
     N = _tokens(logits, 2)
     _done(lib.mhc_sinkhorn_backward(logits.data_ptr(), grad.data_ptr(), dlogits.data_ptr(), N, logits.shape[-1], iters,
-                                    _threads(N)), "sinkhorn backward")
+                                    native.threads(N)), "sinkhorn backward")
     return dlogits
 
 
@@ -98,8 +93,8 @@ def mix_forward(H: torch.Tensor, proj: torch.Tensor, gates: torch.Tensor, bias: 
     post = torch.empty(*lead, n, dtype=torch.float32)
     res = torch.empty(*lead, n, n, dtype=torch.float32)
     _done(lib.mhc_mix_forward(H.data_ptr(), proj.data_ptr(), gates.data_ptr(), bias.data_ptr(), rstd.data_ptr(),
-                              h.data_ptr(), native.ptr(pre), post.data_ptr(), res.data_ptr(), N, n, d, iters, eps, _threads(N)),
-          "mHC mix")
+                              h.data_ptr(), native.ptr(pre), post.data_ptr(), res.data_ptr(), N, n, d, iters, eps,
+                              native.threads(N)), "mHC mix")
     return rstd, h, pre, post, res
 
 
@@ -117,7 +112,7 @@ def mix_backward(H, proj, rstd, gates, bias, dh, dpost, dres, gH, iters: int):
     dbias = torch.zeros(m, dtype=torch.float64)
     _done(lib.mhc_mix_backward(H.data_ptr(), proj.data_ptr(), rstd.data_ptr(), gates.data_ptr(), bias.data_ptr(),
                                native.ptr(dh), native.ptr(dpost), native.ptr(dres), native.ptr(gH), G.data_ptr(), dproj.data_ptr(),
-                               dgates.data_ptr(), dbias.data_ptr(), N, n, d, iters, _threads(N)), "mHC mix backward")
+                               dgates.data_ptr(), dbias.data_ptr(), N, n, d, iters, native.threads(N)), "mHC mix backward")
     return G, dproj, dgates.float(), dbias.float()
 
 
@@ -130,7 +125,7 @@ def update_forward(Hp: torch.Tensor, v: torch.Tensor, post: torch.Tensor, res: t
     Hn = torch.empty_like(Hp)
     N = _tokens(Hp, 2)
     _done(lib.mhc_update_forward(Hp.data_ptr(), v.data_ptr(), post.data_ptr(), res.data_ptr(), Hn.data_ptr(), N, n, d,
-                                 _threads(N)), "mHC update")
+                                 native.threads(N)), "mHC update")
     return Hn
 
 
@@ -142,6 +137,6 @@ def update_backward(G, Hp, v, post, res):
     dHp, dv, dpost, dres = torch.empty_like(Hp), torch.empty_like(v), torch.empty_like(post), torch.empty_like(res)
     N = _tokens(Hp, 2)
     _done(lib.mhc_update_backward(G.data_ptr(), Hp.data_ptr(), v.data_ptr(), post.data_ptr(), res.data_ptr(),
-                                  dHp.data_ptr(), dv.data_ptr(), dpost.data_ptr(), dres.data_ptr(), N, n, d, _threads(N)),
+                                  dHp.data_ptr(), dv.data_ptr(), dpost.data_ptr(), dres.data_ptr(), N, n, d, native.threads(N)),
           "mHC update backward")
     return dHp, dv, dpost, dres

@@ -160,17 +160,22 @@ def why_unavailable(name: str) -> Optional[str]:
 
 # --- arguments of the ctypes calls, shared by the wrappers (cpu_kernels.py, cpu_streams.py) -------
 
-def threads() -> int:
+MIN_TOKENS_PER_THREAD = 256  # below this a thread's share costs more to hand out than it saves
+
+
+def threads(tokens: Optional[int] = None) -> int:
     """Threads a kernel call splits its tokens over: ATTNRES_CPU_THREADS, a positive integer or
     "auto"; unset or "auto": torch.get_num_threads(), so that torch.set_num_threads governs the
-    kernels like torch's own ops. One in a process forked after OpenMP's pool may have started:
+    kernels like torch's own ops. With `tokens`, no more than one thread per
+    MIN_TOKENS_PER_THREAD of them. One in a process forked after OpenMP's pool may have started:
     libgomp's pool does not survive a fork (torch's own ops hang there too)."""
     value = os.environ.get("ATTNRES_CPU_THREADS", "auto").strip()
     if value != "auto" and (not value.isdigit() or int(value) < 1):
         raise ValueError(f"ATTNRES_CPU_THREADS={value!r} is not allowed; allowed: a positive integer or 'auto'")
     if _forked:
         return 1
-    return torch.get_num_threads() if value == "auto" else int(value)
+    k = torch.get_num_threads() if value == "auto" else int(value)
+    return k if tokens is None else max(1, min(k, tokens // MIN_TOKENS_PER_THREAD))
 
 
 def _after_fork() -> None:
