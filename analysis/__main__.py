@@ -7,7 +7,9 @@ section failed (the sections that failed are named).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from .runs import AnalysisInputError, export_snapshot, import_snapshot, load_runset
@@ -57,12 +59,26 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_out(out: Path, folder: bool) -> None:
+    """--out can be written: not a file where a folder goes (or the reverse), and the nearest
+    existing folder above it writable; checked before the (slow) loading of runs."""
+    if out.exists() and out.is_dir() != folder:
+        raise AnalysisInputError(f"--out {out} is {'a file' if folder else 'a folder'}")
+    above = out if folder else out.parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise AnalysisInputError(f"--out {out}: {above} is a file, not a folder")
+    try:  # a real probe: permissions alone do not tell (root, read-only mounts, /proc)
+        os.rmdir(tempfile.mkdtemp(prefix=".analysis-probe-", dir=above))
+    except OSError as exc:
+        raise AnalysisInputError(f"--out {out}: cannot write in {above} ({exc.strerror or exc})") from None
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        if Path(args.out).exists() and (Path(args.out).is_dir() == (args.command == "export")):
-            kind = "a folder" if args.command == "export" else "a file"
-            raise AnalysisInputError(f"--out {args.out} is {kind}")
+        _check_out(Path(args.out).expanduser().absolute(), folder=args.command == "report")
         if args.command == "report":  # check options before the (slow) loading of runs
             if args.n_boot < 0:
                 raise AnalysisInputError("--n-boot must be >= 0")
@@ -88,6 +104,9 @@ def main(argv=None) -> int:
     except AnalysisInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk, a folder removed under us: after the checks above
+        print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"wrote {path}")
     if errors:
         print(f"error: {len(errors)} section(s) failed: " + "; ".join(errors), file=sys.stderr)

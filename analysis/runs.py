@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,11 @@ def _client(tracking_uri: str):
         path = parsed.path if parsed.scheme == "file" else tracking_uri
         if not Path(path).exists():
             raise AnalysisInputError(f"tracking store not found: {path}")
+    elif parsed.scheme in ("http", "https"):
+        # MLflow's client retries a server that does not answer with exponential backoff, for
+        # minutes; a read-only command should say so at once (a user's own setting wins).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     return MlflowClient(tracking_uri=tracking_uri)
 
 
@@ -211,7 +217,9 @@ def load_runs(tracking_uri: str, experiments=None, filter_string: str = "") -> p
     except MlflowException as exc:
         # A bad filter, an unreachable server, a database of another program: one line, no trace.
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise AnalysisInputError(f"cannot read runs from {redact(tracking_uri)}: {first}") from None
+        errno = re.findall(r"\[Errno -?\d+\] [^\"')]+", first)  # a refused or unknown host, in urllib3's words
+        raise AnalysisInputError(f"cannot read runs from {redact(tracking_uri)}: "
+                                 f"{'no MLflow server answers there (' + errno[-1] + ')' if errno else first}") from None
 
 
 def _load_runs(tracking_uri: str, experiments, filter_string: str) -> pd.DataFrame:

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnres import DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
+from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
 from attnres.kernels import cpu_kernels, native  # noqa: E402
 from harness import malloc  # noqa: E402
 
@@ -128,7 +128,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--model", help="a residual variant: time the kernel calls inside its training steps")
+    ap.add_argument("--model", choices=VARIANTS, metavar="VARIANT",
+                    help="a residual variant: time the kernel calls inside its training steps")
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -109,7 +109,8 @@ def time_cli(args, tmp: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="default")
+    presets = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+    ap.add_argument("--model", default="default", choices=presets, help="a model preset of conf/model/")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--rounds", type=int, default=6)

@@ -22,7 +22,8 @@ Method (why the figures can be trusted on a shared, noisy machine):
 - peak memory: CUDA: max_memory_allocated over a step above what was allocated before it, plus
   the model's parameters and optimizer state; CPU (no allocator statistics): the same quantity
   from the profiler's allocation events (every allocation and free of the step, in order).
-Writes a JSON file (default benchmarks/results/model_bench_<device>.json) beside the table.
+Writes a JSON file (default benchmarks/out/model_bench_<device>.json, ignored by git; the figures
+recorded in RESULTS.md are in benchmarks/results/, written with --json) beside the table.
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--malloc-default", action="store_true",
                     help="leave glibc's malloc thresholds alone (default: as the harness trains, harness/malloc.py)")
-    ap.add_argument("--json", help="output path (default benchmarks/results/model_bench_<device>.json)")
+    ap.add_argument("--json", help="output path (default benchmarks/out/model_bench_<device>.json)")
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -133,6 +134,9 @@ def main(argv=None) -> dict:
     batch, seq_len = args.batch or preset["batch"], args.seq_len or preset["seq_len"]
     cfg = ModelConfig(max_seq_len=seq_len, **mcfg)
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)}; allowed: {', '.join(VARIANTS)}")
     cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
@@ -143,7 +147,10 @@ def main(argv=None) -> dict:
     runs = {}
     for v in variants:
         torch.manual_seed(0)
-        model = DecoderLM(cfg, ResidualConfig(name=v)).to(device)
+        try:
+            model = DecoderLM(cfg, ResidualConfig(name=v)).to(device)
+        except ValueError as e:  # a variant that does not fit the shape (block size > sublayers, …)
+            ap.error(f"--variants {v}: {e}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # a small lr keeps the model stable over rounds
         fwd = torch.compile(model) if args.compile else model
 
@@ -224,7 +231,7 @@ def main(argv=None) -> dict:
         cpu = (f" {row['cpu_step_ms']:8.1f} {row['cpu_ratio']:9.3f}  [{row['cpu_ratio_q1']:.3f}, {row['cpu_ratio_q3']:.3f}]"
                if not cuda else "")
         print(f"{row['variant']:18s} {row['step_ms']:9.1f} {row['ratio']:10.3f}  [{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}]{cpu} {mem}")
-    out = Path(args.json) if args.json else Path(__file__).parent / "results" / f"model_bench_{device.type}.json"
+    out = Path(args.json) if args.json else Path(__file__).parent / "out" / f"model_bench_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(info, indent=2, default=str))
     print(f"wrote {out}")

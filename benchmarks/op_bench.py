@@ -152,7 +152,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20 if cuda else 5)
     ap.add_argument("--warmup", type=int, default=3 if cuda else 1)
     ap.add_argument("--only", help="comma-separated implementation names")
-    ap.add_argument("--json", help="output path (default benchmarks/results/op_bench_<device>.json)")
+    ap.add_argument("--json", help="output path (default benchmarks/out/op_bench_<device>.json, ignored by git)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -177,7 +177,10 @@ def main(argv=None):
         except ImportError as e:
             print(f"# fla-core not available ({e}); pip install fla-core einops to race it")
     if args.only:
-        keep = set(args.only.split(","))
+        keep = [k for k in args.only.split(",") if k]
+        unknown = [k for k in keep if k not in impls]
+        if unknown:
+            ap.error(f"--only: no implementation {', '.join(map(repr, unknown))} here; allowed: {', '.join(impls)}")
         impls = {k: v for k, v in impls.items() if k in keep}
 
     inputs = make_inputs(L, N, d, dtype, device)
@@ -206,7 +209,7 @@ def main(argv=None):
         print(f"{r['impl']:24s} {r['ms']:9.2f} {speed} {peak}")
     info = dict(machine=machine(), device=str(device), dtype=args.dtype, sublayers=L, block_size=S, tokens=N, d=d,
                 reps=args.reps, rows=rows)
-    out = Path(args.json) if args.json else Path(__file__).parent / "results" / f"op_bench_{device.type}.json"
+    out = Path(args.json) if args.json else Path(__file__).parent / "out" / f"op_bench_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(info, indent=2))
     print(f"wrote {out}")

@@ -51,6 +51,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if args.skip_heldout and not args.probe and not tasks:
         return _fail("nothing to evaluate: --skip-heldout without --probe or --tasks", 2)
+    if args.device:
+        problem = _device_problem(args.device)
+        if problem:
+            return _fail(f"--device {args.device}: {problem}", 2)
     try:
         from attnres.io import CheckpointError
 
@@ -138,6 +142,24 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _device_problem(name: str) -> Optional[str]:
+    """Why --device cannot be used here (None if it can): checked before anything is loaded."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return "not a device name; allowed: cpu, cuda, cuda:<index>"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available on this machine; allowed: cpu"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    elif device.type != "cpu":
+        return f"{device.type} devices are not supported by the evaluation; allowed: cpu, cuda, cuda:<index>"
+    return None
 
 
 def _fail(message: str, code: int) -> int:

@@ -38,8 +38,13 @@ def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_t
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if log_to is not None and parse_run_reference(log_to) is None:
         raise CheckpointError(f"--log-to {log_to!r}: not an MLflow run id (32 hex characters)")
-    model, config = load(arg, device=device, tracking_uri=tracking_uri)
     run = None if Path(arg).expanduser().exists() else parse_run_reference(arg)
+    if (run or log_to) and tracking_uri:
+        from harness.tracking import prepare_server
+
+        # A server that does not answer: one line now, not minutes of MLflow's retries.
+        prepare_server(tracking_uri, option="--tracking-uri ")
+    model, config = load(arg, device=device, tracking_uri=tracking_uri)
     run_id = parse_run_reference(log_to)[0] if log_to else (run[0] if run else None)
     if run and not isinstance(config.get("data"), dict):
         config = {**config, **_resolved_run_config(run[0], tracking_uri)}

@@ -84,8 +84,9 @@ def check_tracking_uri(uri: str) -> None:
     check_reachable(uri)
 
 
-def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT) -> None:
-    """For an http(s) URI, GET <uri>/health within `timeout` seconds, else TrackingUnreachable.
+def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tracking.uri=") -> None:
+    """For an http(s) URI, GET <uri>/health within `timeout` seconds, else TrackingUnreachable
+    (its line names the URI as `option` gave it: run.py's tracking.uri= or a command's flag).
     Other stores (sqlite, postgresql, file) are opened by the client itself, which fails fast."""
     import urllib.error
     import urllib.request
@@ -99,9 +100,10 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT) -> None:
         return  # something answers HTTP there (a proxy without /health): let MLflow judge it
     except (OSError, ValueError) as error:
         reason = getattr(error, "reason", None) or error
+        allowed = " or tracking=off" if option == "tracking.uri=" else ""
         raise TrackingUnreachable(
-            f"tracking.uri={uri}: no MLflow server answers there within {timeout:.0f} s ({reason}); "
-            "allowed: a running server's URI, a sqlite:/// path, or tracking=off"
+            f"{option}{uri}: no MLflow server answers there within {timeout:.0f} s ({reason}); "
+            f"allowed: a running server's URI, a sqlite:/// path{allowed}"
         ) from None
 
 
@@ -142,14 +144,20 @@ def store_lock(uri: str):
     return _file_lock(Path(tempfile.gettempdir()) / f"attnres-sqlite-{key}.lock")
 
 
+def prepare_server(uri: str, option: str = "tracking.uri=") -> None:
+    """For an http(s) store: check that a server answers (TrackingUnreachable, one line, within
+    PROBE_TIMEOUT) and bound MLflow's retries (HTTP_DEFAULTS) before any client talks to it."""
+    check_reachable(uri, option=option)
+    if uri.startswith(("http://", "https://")):
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+
+
 def client_for(uri: str):
     """An MlflowClient on `uri`, creating (and migrating) a SQLite store once, under the lock."""
     from mlflow import MlflowClient
 
-    check_reachable(uri)
-    if uri.startswith(("http://", "https://")):
-        for key, value in HTTP_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+    prepare_server(uri)
     path = sqlite_path(uri)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

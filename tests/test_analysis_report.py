@@ -4,6 +4,7 @@ exported snapshot, which must give identical tables and report. Also the CLI's b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -277,3 +278,33 @@ def test_module_entry_point(tiny_db, tmp_path):
     assert r.returncode == 2
     expected = f"error: tracking database not found: {tmp_path}/missing.db"
     assert r.stderr.strip().splitlines() == [expected]
+
+
+def test_out_that_cannot_be_written_is_one_line_before_loading(tiny_db, tmp_path, capsys):
+    """--out below a file (or where nothing can be created): status 2, one line, nothing made."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for command, out in (("report", blocker / "sub" / "report"), ("export", blocker / "runs.csv")):
+        assert main([command, "--tracking-uri", tiny_db["uri"], "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: --out {out}: {blocker} is a file, not a folder"]
+    assert blocker.read_text() == "x"
+
+
+def test_unreachable_tracking_server_fails_at_once(tmp_path):
+    """A tracking server that does not answer: one line naming it, not minutes of MLflow's
+    retries (the guard: a 60 s limit on a command that used to take ~4 minutes)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: connections are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_HTTP_REQUEST")}
+    r = subprocess.run([sys.executable, "-m", "analysis", "export", "--tracking-uri",
+                        f"http://127.0.0.1:{port}", "--out", str(tmp_path / "r.csv")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot read runs from http://127.0.0.1:{port}: "
+                                               "no MLflow server answers there ("), err
+    assert not (tmp_path / "r.csv").exists()

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -178,10 +179,17 @@ def test_lm_eval_cli_wrapper_knows_attnres(setup, tmp_path):
         (["{ck}", "--seq-len", "999"], "max_seq_len=64"),
         (["{ck}", "--skip-heldout"], "nothing to evaluate"),
         (["{ck}", "--log-to", "my-run"], "--log-to 'my-run'"),
+        (["{ck}", "--device", "tpu9"], "--device tpu9: not a device name"),
+        (["{ck}", "--device", "cuda:99"], "--device cuda:99: "),  # no CUDA, or not 100 devices
+        (["0123456789abcdef0123456789abcdef", "--tracking-uri", "http://127.0.0.1:{port}"],
+         "--tracking-uri http://127.0.0.1:{port}: no MLflow server answers there"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(setup, capsys, monkeypatch, argv, message):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", setup["uri"])
-    assert main([a.replace("{ck}", str(setup["ck"])) for a in argv]) == 2
+    with socket.socket() as s:  # a port nothing listens on: a tracking server that refuses
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert main([a.replace("{ck}", str(setup["ck"])).replace("{port}", port) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1 and err.startswith("evaluation: ")
+    assert message.replace("{port}", port) in err and len(err.splitlines()) == 1 and err.startswith("evaluation: ")

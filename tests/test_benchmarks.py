@@ -1,0 +1,49 @@
+"""The benchmark commands run end to end at toy sizes (they are not timed here: RESULTS.md holds
+the figures) and reject bad arguments with argparse's one error line, exit status 2."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import model_bench  # noqa: E402
+import op_bench  # noqa: E402
+
+
+def test_model_bench_writes_ratios_to_the_baseline(tmp_path, capsys):
+    out = tmp_path / "mb.json"
+    info = model_bench.main(["--variants", "block,mhc", "--layers", "2", "--batch", "2", "--seq-len", "16",
+                             "--rounds", "2", "--warmup", "1", "--threads", "1", "--json", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["baseline", "block", "mhc"] and rows == {r["variant"]: r for r in info["rows"]}
+    assert rows["baseline"]["ratio"] == 1.0 and rows["baseline"]["memory_ratio"] == 1.0
+    assert all(r["step_ms"] > 0 and r["peak_mib"] > 0 for r in rows.values())
+    assert "block" in capsys.readouterr().out
+
+
+def test_op_bench_implementations_agree(tmp_path):
+    out = tmp_path / "ob.json"
+    info = op_bench.main(["--sublayers", "4", "--block-size", "2", "--tokens", "32", "--d", "16", "--reps", "1",
+                          "--warmup", "0", "--only", "reference eager,torch path two-phase", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["torch path two-phase", "reference eager"] and info["rows"] == rows
+    assert all(r["max_abs_diff_vs_reference"] <= 1e-5 for r in rows)  # fp32
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (model_bench.main, ["--variants", "block,nope"], "--variants: unknown nope; allowed: baseline,"),
+    (model_bench.main, ["--variants", "block", "--layers", "1"], "--variants block: residual.block_size=4 must be"),
+    (op_bench.main, ["--only", "nope", "--tokens", "8", "--d", "8"], "--only: no implementation 'nope' here; allowed:"),
+])
+def test_bad_arguments_exit_2_with_one_error_line(main, argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--json", str(tmp_path / "x.json")])
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0]
+    assert not (tmp_path / "x.json").exists()
