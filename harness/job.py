@@ -149,7 +149,7 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
     label = c.tracking.run_name or f"{c.residual.name}-{c.model.name}-s{c.train.seed}"
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
     if folder is not None:
-        folder.write_record(key=run_key(plain), status="running", mlflow_run_id=tracker.run_id,
+        folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
                             tracking_uri=c.tracking.uri if tracker.enabled else None)
     try:
         trainer = Trainer(spec, data, tracker, folder, label=label)
@@ -172,6 +172,12 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
             # every rank says where it stopped (they agree: the stop is decided collectively)
             print(f"{label}: {error} ({trainer.stop_reason}); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
             raise SystemExit(REQUEUE_EXIT) from None  # also ends a multirun: the machine is going
+        if isinstance(error, KeyboardInterrupt) and (pruning is None or pruning.current_trial() is None):
+            # Ctrl-C: the run is KILLED and resumable; one line, not a traceback. (In an Optuna
+            # trial the sweeper takes the interrupt: it voids the trial.)
+            print(f"{label}: interrupted (Ctrl-C); the same command resumes it from its last checkpoint",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         raise
     if folder is not None:
         folder.write_record(status="finished", final=final)

@@ -60,6 +60,9 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BA
                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
 
+FAILURE_TAGS = ("attnres.failure", "attnres.failure_step")  # set when a run ends other than FINISHED
+
+
 class TrackingUnreachable(ValueError):
     """tracking.uri cannot be used: no server answers there, or it is no store (one line)."""
 
@@ -252,6 +255,10 @@ class MlflowTracker(NullTracker):
             if pending_dir is not None:
                 (pending_dir / END_PENDING).unlink(missing_ok=True)  # it runs again: no end to send
             run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=system_metrics)
+            # How it ended before (interrupted, or failed and retried) no longer describes it.
+            for key in FAILURE_TAGS:
+                if key in run.data.tags:
+                    client.delete_tag(resume_run_id, key)
         else:
             if resume_run_id is not None:
                 log.warning("MLflow run %s of the checkpoint is not in %s: starting a new run", resume_run_id, uri)

@@ -33,6 +33,21 @@ def test_write_shards_round_trip(tmp_path):
     assert data.val.numel() == 300 and data.train.numel() == len(expected) - 300
 
 
+def test_shards_are_as_readable_as_the_umask_allows(tmp_path):
+    """Others on a cluster train on prepared data: not mkstemp's 0600."""
+    import os
+    import stat
+
+    encode, eot, _ = byte_tokenizer()
+    old = os.umask(0o027)
+    try:
+        summary = write_shards(DOCS, tmp_path, "toy", encode, eot, shard_tokens=1000, val_tokens=300)
+    finally:
+        os.umask(old)
+    modes = {stat.S_IMODE((tmp_path / n).stat().st_mode) for n in summary["shards"]}
+    assert modes == {0o640}
+
+
 def test_write_shards_max_tokens(tmp_path):
     encode, eot, _ = byte_tokenizer()
     summary = write_shards(iter(DOCS), tmp_path, "toy", encode, eot, shard_tokens=500, val_tokens=100, max_tokens=777)

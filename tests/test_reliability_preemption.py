@@ -52,8 +52,34 @@ def test_sigterm_checkpoints_ends_killed_asks_for_requeue_and_resumes_into_the_s
     (run,) = runs(tmp_path)  # still one run: the same one, continued
     assert run.info.status == "FINISHED" and run.data.tags["attnres.status"] == "FINISHED"
     assert run.data.tags["attnres.resumed_at_step"] == str(stopped)
+    # The interruption no longer describes the run: no failure tag, none in its record.
+    assert "attnres.failure" not in run.data.tags
+    record = json.loads((folder / "run.json").read_text())
+    assert record["status"] == "finished" and record["failure"] is None
     for key in ("train/loss", "train/lr", "val/loss"):
         steps = metric_steps(tmp_path, run.info.run_id, key)
         assert len(steps) == len(set(steps)), key
     assert sorted(metric_steps(tmp_path, run.info.run_id, "train/loss")) == list(range(1, STEPS + 1))
     assert sorted(metric_steps(tmp_path, run.info.run_id, "val/loss")) == [20, 40, 60]
+
+
+def test_ctrl_c_is_one_line_ends_killed_and_the_same_command_resumes(tmp_path):
+    proc = _start(tmp_path)
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "ckpt").rglob("last.pt")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1].endswith(
+        ": interrupted (Ctrl-C); the same command resumes it from its last checkpoint")
+    (run,) = runs(tmp_path)
+    assert run.info.status == "KILLED" and "KeyboardInterrupt" in run.data.tags["attnres.failure"]
+
+    again = run_cli(ARGS, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FINISHED" and "attnres.failure" not in run.data.tags
+    assert sorted(metric_steps(tmp_path, run.info.run_id, "train/loss")) == list(range(1, STEPS + 1))

@@ -123,8 +123,14 @@ def test_params_are_parsed_like_the_command_line_which_wins():
             "model.layers": 16,
         },
     )
-    assert p.cells[0].labels == ()  # the command line fixed residual: no grid left
-    assert set(p.fixed) == {"residual=full", "model.layers=16"}
+    # The command line narrowed the params' grid axis to one value: still an axis, so the study
+    # is lr/residual=full, apart from residual=block's (it used to be one study for both).
+    assert [(c.overrides, c.labels) for c in p.cells] == [(("residual=full",), ("residual=full",))]
+    assert p.cells[0].study_name("lr") == "lr/residual=full"
+    assert set(p.fixed) == {"model.layers=16"}
+    # A key the params fix (no grid) stays fixed when the command line sets it.
+    q = plan("model.layers=8", params={"residual": "block,full", "optim.lr": "interval(1e-4, 1e-2)", "model.layers": 16})
+    assert [c.labels for c in q.cells] == [("residual=block",), ("residual=full",)] and q.fixed == ("model.layers=8",)
     assert p.distributions["optim.lr"] == FloatDistribution(1e-4, 1e-2, log=True)
 
 

@@ -61,31 +61,35 @@ def row_dot(x: torch.Tensor, y: torch.Tensor, scratch: torch.Tensor, out: Option
     return torch.sum(prod, -1, out=out)
 
 
+def _mix(alpha: torch.Tensor, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The forward of `mix`, in the accumulation type."""
+    R, N, H, n = alpha.shape
+    d = values[0].shape[-1]
+    adt = acc_dtype(values[0].dtype)
+    w = alpha.to(adt).permute(3, 1, 0, 2).contiguous().unsqueeze(-1)  # (n, N, R, H, 1)
+    vs = [v.view(N, 1, H, -1) for v in values]
+    # Reader 0's output has a storage of its own (it is the input of the chunk's first
+    # sublayer, kept for backward); the others share one token-major buffer (N, R-1, d) that
+    # dies with the chunk. Token-major, so that every tile below is contiguous.
+    first = torch.empty(N, d, dtype=adt, device=alpha.device)
+    rest = torch.empty(N, R - 1, d, dtype=adt, device=alpha.device) if R > 1 else None
+    accs = [first.view(N, 1, H, -1)] + ([rest.view(N, R - 1, H, -1)] if R > 1 else [])
+    spans = [slice(0, 1)] + ([slice(1, R)] if R > 1 else [])
+    for sl in _tiles(N, R * d * torch.finfo(adt).bits // 8):
+        for acc, rs in zip(accs, spans):
+            a = acc[sl]
+            torch.mul(w[0][sl, rs], vs[0][sl], out=a)
+            for i in range(1, n):
+                a.addcmul_(w[i][sl, rs], vs[i][sl])
+    return [first] + (list(rest.unbind(1)) if R > 1 else [])
+
+
 class _Mix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, alpha: torch.Tensor, out_dtype: torch.dtype, alpha_grad_readers: int, *values: torch.Tensor):
-        R, N, H, n = alpha.shape
-        d = values[0].shape[-1]
-        adt = acc_dtype(values[0].dtype)
-        w = alpha.to(adt).permute(3, 1, 0, 2).contiguous().unsqueeze(-1)  # (n, N, R, H, 1)
-        vs = [v.view(N, 1, H, -1) for v in values]
-        # Reader 0's output has a storage of its own (it is the input of the chunk's first
-        # sublayer, kept for backward); the others share one token-major buffer (N, R-1, d) that
-        # dies with the chunk. Token-major, so that every tile below is contiguous.
-        first = torch.empty(N, d, dtype=adt, device=alpha.device)
-        rest = torch.empty(N, R - 1, d, dtype=adt, device=alpha.device) if R > 1 else None
-        accs = [first.view(N, 1, H, -1)] + ([rest.view(N, R - 1, H, -1)] if R > 1 else [])
-        spans = [slice(0, 1)] + ([slice(1, R)] if R > 1 else [])
-        for sl in _tiles(N, R * d * torch.finfo(adt).bits // 8):
-            for acc, rs in zip(accs, spans):
-                a = acc[sl]
-                torch.mul(w[0][sl, rs], vs[0][sl], out=a)
-                for i in range(1, n):
-                    a.addcmul_(w[i][sl, rs], vs[i][sl])
         ctx.alpha_grad_readers = alpha_grad_readers
         ctx.save_for_backward(alpha, *values)
-        outs = [first] + (list(rest.unbind(1)) if R > 1 else [])
-        return tuple(o.to(out_dtype) for o in outs)
+        return tuple(o.to(out_dtype) for o in _mix(alpha, values))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -124,6 +128,8 @@ def mix(alpha: torch.Tensor, values: Sequence[torch.Tensor], out_dtype: torch.dt
     """alpha (R, N, H, n), values n × (N, d) → R tensors (N, d) in out_dtype (reader 0's with a
     storage of its own). The weight gradient is computed here for readers < alpha_grad_readers
     (default: all); the others' comes from their `merge_read`."""
+    if not torch.is_grad_enabled():  # no node to record (and see merge_read: Dynamo under no_grad)
+        return tuple(o.to(out_dtype) for o in _mix(alpha, values))
     R = alpha.shape[0]
     return _Mix.apply(alpha, out_dtype, R if alpha_grad_readers is None else alpha_grad_readers, *values)
 
@@ -183,32 +189,39 @@ def _head_dot(x: torch.Tensor, q: torch.Tensor, H: int) -> torch.Tensor:
     return torch.bmm(x.view(N, H, -1).transpose(0, 1), q.view(H, -1, 1)).squeeze(-1).t()
 
 
+def _merge(o, lse, q, extras, eps, key_norm, sigmoid):
+    """The phase-2 merge's forward: h (N, d) in o's type, and the softmax weights, 1/rms and raw
+    scores its backward reuses."""
+    N, d = o.shape
+    H = lse.shape[-1]
+    adt = o.dtype
+    qa = q.to(adt)
+    rho, qv, t = [], [], [lse]
+    for u in extras:
+        ua = u.to(adt)
+        r = torch.rsqrt(torch.linalg.vector_norm(ua, dim=-1, keepdim=True).square() / d + eps) if key_norm else None
+        s = _head_dot(ua, qa, H)
+        qv.append(s)
+        rho.append(r)
+        s = s * r if key_norm else s
+        t.append(F.logsigmoid(s) if sigmoid else s)
+    # (1 + k, N, H): the phase-1 state is a source with logit lse. Sources first, so that the
+    # softmax runs over a short leading axis with contiguous rows.
+    weights = torch.softmax(torch.stack(t), 0)
+    h = torch.empty(N, d, dtype=adt, device=o.device)
+    hv = h.view(N, H, -1)
+    torch.mul(weights[0].unsqueeze(-1), o.view(N, H, -1), out=hv)
+    for k, u in enumerate(extras):
+        hv.addcmul_(weights[k + 1].unsqueeze(-1), u.to(adt).view(N, H, -1))
+    return h, weights, rho, qv
+
+
 class _MergeRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, lse, q, alpha, cfg, n_extra, *tensors):
         eps, key_norm, sigmoid, out_dtype = cfg
         extras, sources = tensors[:n_extra], tensors[n_extra:]
-        N, d = o.shape
-        H = lse.shape[-1]
-        adt = o.dtype
-        qa = q.to(adt)
-        rho, qv, t = [], [], [lse]
-        for u in extras:
-            ua = u.to(adt)
-            r = torch.rsqrt(torch.linalg.vector_norm(ua, dim=-1, keepdim=True).square() / d + eps) if key_norm else None
-            s = _head_dot(ua, qa, H)
-            qv.append(s)
-            rho.append(r)
-            s = s * r if key_norm else s
-            t.append(F.logsigmoid(s) if sigmoid else s)
-        # (1 + k, N, H): the phase-1 state is a source with logit lse. Sources first, so that the
-        # softmax runs over a short leading axis with contiguous rows.
-        weights = torch.softmax(torch.stack(t), 0)
-        h = torch.empty(N, d, dtype=adt, device=o.device)
-        hv = h.view(N, H, -1)
-        torch.mul(weights[0].unsqueeze(-1), o.view(N, H, -1), out=hv)
-        for k, u in enumerate(extras):
-            hv.addcmul_(weights[k + 1].unsqueeze(-1), u.to(adt).view(N, H, -1))
+        h, weights, rho, qv = _merge(o, lse, q, extras, eps, key_norm, sigmoid)
         ctx.cfg, ctx.n_extra = cfg, n_extra
         ctx.save_for_backward(q, alpha, weights, *(rho if key_norm else []), *qv, *extras, *sources)
         return h.to(out_dtype)
@@ -272,5 +285,9 @@ def merge_read(
     """Phase 2 for one reader: o (N, d), lse (N, H) and weights alpha (N, H, n_c) of its phase-1
     read over `sources` (from `mix`, with this reader's weight gradient left to this function),
     q (d,) its effective query (gain folded in), extras the k sources (N, d) to add."""
+    if not torch.is_grad_enabled():
+        # No node to record. (Also: under torch.compile Dynamo inlines a Function's forward here
+        # with its arguments shifted by one, a graph break, seen with torch 2.13.)
+        return _merge(o, lse, q, extras, eps, key_norm, sigmoid)[0].to(out_dtype)
     cfg = (eps, key_norm, sigmoid, out_dtype)
     return _MergeRead.apply(o, lse, q, alpha, cfg, len(extras), *extras, *sources)

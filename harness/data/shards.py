@@ -63,6 +63,11 @@ def write_atomic(path: Path, chunks: list[bytes]) -> None:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
+        # mkstemp creates 0600; a prepared dataset is as readable as the umask lets new files be
+        # (a cluster's other users train on it).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -109,9 +109,19 @@ class Plan:
 def build_plan(
     arguments: Sequence[str], params: Mapping[str, Any], parser: OverridesParser
 ) -> Plan:
-    """Split overrides into fixed ones, grid cells and search dimensions."""
+    """Split overrides into fixed ones, grid cells and search dimensions.
+
+    A grid axis of the sweep's params that the command line narrows to one value stays an axis
+    of one value: `+sweep=lr residual=block` studies block in `lr/residual=block`, and a later
+    `residual=full` gets a study of its own, not block's (whose trials it would find done)."""
     by_key: dict[str, Override] = {}
-    for line in [*_params_as_overrides(params), *arguments]:
+    param_axes: set[str] = set()
+    for line in _params_as_overrides(params):
+        override = _parse(parser, line)
+        by_key[override.key_or_group] = override
+        if override.is_sweep_override() and _is_grid_axis(override):
+            param_axes.add(override.key_or_group)
+    for line in arguments:
         override = _parse(parser, line)
         # Re-inserting moves nothing: dict keeps the first position, the later value wins.
         by_key[override.key_or_group] = override
@@ -120,7 +130,10 @@ def build_plan(
     grid: list[list[tuple[str, str]]] = []  # per grid key: (override, label) per value
     dimensions: list[Dimension] = []
     for override in by_key.values():
-        if not override.is_sweep_override():
+        if not override.is_sweep_override() and override.key_or_group in param_axes:
+            label = f"{override.get_key_element().lstrip('+')}={override.get_value_element_as_str()}"
+            grid.append([(override.input_line, label)])
+        elif not override.is_sweep_override():
             fixed.append(override.input_line)
         elif _is_grid_axis(override):
             key = override.get_key_element()
