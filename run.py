@@ -43,4 +43,8 @@ if __name__ == "__main__":
 
     # Under torchrun: all ranks in one output folder, rank 0 its only writer; -m refused (harness/launch.py).
     sys.argv += torchrun_overrides(sys.argv)
-    main()
+    try:
+        main()
+    except ValueError as error:  # Hydra's check of its flags (-m with --cfg) runs outside its report
+        composition_errors.exit_if_composition_error(error)
+        raise

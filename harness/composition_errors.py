@@ -89,7 +89,13 @@ def describe(error: BaseException) -> str | None:
         return _composition(error)
     if isinstance(error, CompactHydraException) and is_composition_error(error.__cause__):
         return describe(error.__cause__)  # e.g. the Optuna sweeper's check that every cell composes
+    if isinstance(error, ValueError) and str(error).startswith(_ONE_COMMAND):
+        return ("-m/--multirun, --cfg, --info and --run are separate commands: give one "
+                "(a sweep's config: `--cfg job` without -m shows the sweep file's own values)")
     return None
+
+
+_ONE_COMMAND = "Only one of --run, --multirun, --cfg"  # Hydra's check of its command flags
 
 
 def unknown_key(full_key: str, value: Any, allowed: Iterable[str], override: str | None = None) -> str:

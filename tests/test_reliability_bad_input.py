@@ -45,6 +45,8 @@ CASES = {
     "a misspelt key, in a multirun": (["-m", "residual=baseline,block", "model.layerz=3"],
                                       "model.layerz=3: model has no key 'layerz'"),
     "an unknown option in a sweep": (["-m", "residual=blok,block"], "residual=blok: no option 'blok' in group residual"),
+    "a multirun asked for its config": (["-m", "--cfg=job", "residual=baseline,block"],
+                                        "-m/--multirun, --cfg, --info and --run are separate commands"),
     "a wrong type in a sweep": (["-m", "model.layers=4,abc"], "model.layers=abc: not an integer; allowed: an integer"),
     "an unknown option in an Optuna sweep": (["-m", "hydra/sweeper=attnres_optuna", "residual=blok,block",
                                               "optim.lr=interval(1e-3,1e-2)", "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
