@@ -47,3 +47,17 @@ def test_bad_arguments_exit_2_with_one_error_line(main, argv, message, capsys, t
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_gpu_check_script_runs_under_the_triton_interpreter():
+    """benchmarks/gpu_check.py is what run_gpu.sh first runs on a GPU; --smoke runs the same checks
+    on CPU under TRITON_INTERPRET=1, so the script cannot rot unseen on a machine without one."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "ALL OK" and not any(line.startswith("FAIL") for line in lines)
+    assert sum(line.startswith("ok ") for line in lines) > 100
