@@ -21,4 +21,5 @@ from .residuals import (
 __all__ = [
     "VARIANTS", "ModelConfig", "ResidualConfig", "DecoderLM", "depth_read", "Residual",
     "AttentionResidual", "BlockAttentionResidual", "FullAttentionResidual", "build_residual",
+    "load", "save_pretrained", "nn",
 ]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnres import AttentionResidual, BlockAttentionResidual, FullAttentionResidual, depth_read
+from attnres import AttentionResidual, BlockAttentionResidual, depth_read
 from attnres.residuals import StandardResidual
 
 D, L = 16, 8

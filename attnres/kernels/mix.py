@@ -228,7 +228,7 @@ class _MergeRead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        eps, key_norm, sigmoid, out_dtype = ctx.cfg
+        _, key_norm, sigmoid, _ = ctx.cfg  # (eps, key_norm, sigmoid, out_dtype)
         k = ctx.n_extra
         q, alpha, weights, *rest = ctx.saved_tensors
         rho, rest = (rest[:k], rest[k:]) if key_norm else ([None] * k, rest)
