@@ -2,8 +2,9 @@
 attention over depth. One class covers the whole family of the paper's ablation through five
 orthogonal knobs:
 
-- sources: "full" (every earlier output v_i), "window" (the embedding plus the W-1 most recent
-  outputs), "block" (completed block sums b_0..b_{n-1} plus the running partial sum b_n^{i-1});
+- sources: "full" (every earlier output v_i), "window" (the embedding plus the `window` most
+  recent outputs: the paper's W = 1 + window), "block" (completed block sums b_0..b_{n-1} plus
+  the running partial sum b_n^{i-1});
 - query: "static" (a learned pseudo-query per sublayer, zero-initialised), "input" (projected from
   the hidden state, see below), "scalar" (a learned logit per (reader, source), no query or key);
 - key_norm: RMSNorm on keys (with its own gain per reader) or raw keys;

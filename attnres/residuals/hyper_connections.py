@@ -3,7 +3,8 @@ al., DeepSeek, arXiv 2512.24880): n residual streams, mixed by small matrices ar
 
 Both keep streams H ∈ R^{n×d} per token, started as n copies of the embedding. Per sublayer:
     input  h   = Σ_k pre_k · H_k
-    update H'_k = Σ_j res_{jk} · H_j + post_k · f(h)
+    update H'_k = Σ_j res_{jk} · H_j + post_k · f(h)   (HC: res indexed (from, to))
+           H'_k = Σ_j res_{kj} · H_j + post_k · f(h)   (mHC: H_res·x_l, res indexed (to, from))
 HC (dynamic variant, DHC) uses pre = A_m + s_α·tanh(H̄ W_m), res = A_r + s_α·tanh(H̄ W_r),
 post = B + s_β·tanh(H̄ W_β) with H̄ = RMSNorm of each stream, W zero-initialised and the static
 part initialised as in the paper (A_m = e_{l mod n}, A_r = I, B = 1), so at init every stream is
