@@ -17,8 +17,9 @@
    No parent is made when the base config names one (tracking.parent_run_id) or when the sweeper
    manages its own (a sweeper class with `manages_mlflow_runs = True`, e.g. one parent per Optuna
    study); a parent that ends up with no child is deleted.
-`on_multirun_end` (or, when a job failed and Hydra raises, an atexit hook) ends the parent:
-FINISHED when every child finished, else FAILED, with counts as tags.
+`on_multirun_end` (or, when a job failed or was stopped and Hydra raises, an atexit hook) ends
+the parent: FINISHED when every child finished, FAILED when one failed, else KILLED (interrupted:
+the same command resumes it), with counts as tags.
 """
 from __future__ import annotations
 
@@ -233,7 +234,9 @@ class MLflowMultirunCallback(Callback):
             return
         statuses = [c.info.status for c in children]
         done = statuses.count("FINISHED")
-        status = "FINISHED" if done == len(statuses) else "FAILED"
+        # Interrupted (a child KILLED: Ctrl-C, SIGTERM) without a failure is KILLED, as the child:
+        # rerunning the command resumes it. Any failed child makes the multirun FAILED.
+        status = ("FINISHED" if done == len(statuses) else "FAILED" if "FAILED" in statuses else "KILLED")
         self.client.set_tag(run_id, "attnres.status", status)
         self.client.set_tag(run_id, "attnres.jobs_finished", str(done))
         self.client.set_tag(run_id, "attnres.jobs_total", str(len(statuses)))

@@ -83,3 +83,31 @@ def test_ctrl_c_is_one_line_ends_killed_and_the_same_command_resumes(tmp_path):
     (run,) = runs(tmp_path)
     assert run.info.status == "FINISHED" and "attnres.failure" not in run.data.tags
     assert sorted(metric_steps(tmp_path, run.info.run_id, "train/loss")) == list(range(1, STEPS + 1))
+
+
+def test_a_stopped_multirun_ends_its_parent_killed_and_the_rerun_finishes_it(tmp_path):
+    """SIGTERM in a basic multirun: the job checkpoints and is KILLED, the multirun exits 75, its
+    parent run is KILLED too (not FAILED: nothing failed); the same command finishes both jobs
+    under the same parent."""
+    env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    argv = ["-m", *ARGS, "residual=baseline,block"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *argv, *isolated(tmp_path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "ckpt").rglob("last.pt")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == REQUEUE_EXIT, stderr[-3000:]
+    (parent,) = [r for r in runs(tmp_path) if r.data.tags.get("attnres.role") == "parent"]
+    assert parent.info.status == "KILLED" and parent.data.tags["attnres.status"] == "KILLED"
+
+    again = run_cli(argv, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    everything = runs(tmp_path)
+    (parent_again,) = [r for r in everything if r.data.tags.get("attnres.role") == "parent"]
+    assert parent_again.info.run_id == parent.info.run_id and parent_again.info.status == "FINISHED"
+    jobs = [r for r in everything if r.data.tags.get("attnres.role") == "job"]
+    assert len(jobs) == 2 and all(r.info.status == "FINISHED" for r in jobs)
