@@ -17,21 +17,26 @@ ARGS = [*TINY, f"train.steps={STEPS}", "train.checkpoint_interval=5", "train.eva
         "tracking.log_env=false", "tracking.log_model=false", "tracking.log_plots=false"]
 
 
-def _start(tmp):
+def _signal_after_first_checkpoint(proc, tmp, signum) -> str:
+    """Send `signum` once the first checkpoint exists (training is on); the process's stderr."""
+    deadline = time.monotonic() + 60
+    while not list((tmp / "ckpt").rglob("last.pt")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    return proc.communicate(timeout=60)[1]
+
+
+def _start(tmp, args=ARGS):
     env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0")
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *ARGS, *isolated(tmp)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, *isolated(tmp)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_sigterm_checkpoints_ends_killed_asks_for_requeue_and_resumes_into_the_same_run(tmp_path):
     proc = _start(tmp_path)
-    deadline = time.monotonic() + 60
-    while not list((tmp_path / "ckpt").rglob("last.pt")):  # the first checkpoint: training is on
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    stderr = _signal_after_first_checkpoint(proc, tmp_path, signal.SIGTERM)
     assert proc.returncode == REQUEUE_EXIT == 75, stderr[-3000:]
     assert "requeue" in stderr
 
@@ -65,12 +70,7 @@ def test_sigterm_checkpoints_ends_killed_asks_for_requeue_and_resumes_into_the_s
 
 def test_ctrl_c_is_one_line_ends_killed_and_the_same_command_resumes(tmp_path):
     proc = _start(tmp_path)
-    deadline = time.monotonic() + 60
-    while not list((tmp_path / "ckpt").rglob("last.pt")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    stderr = _signal_after_first_checkpoint(proc, tmp_path, signal.SIGINT)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1].endswith(
@@ -89,17 +89,9 @@ def test_a_stopped_multirun_ends_its_parent_killed_and_the_rerun_finishes_it(tmp
     """SIGTERM in a basic multirun: the job checkpoints and is KILLED, the multirun exits 75, its
     parent run is KILLED too (not FAILED: nothing failed); the same command finishes both jobs
     under the same parent."""
-    env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0")
-    env.pop("MLFLOW_TRACKING_URI", None)
     argv = ["-m", *ARGS, "residual=baseline,block"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *argv, *isolated(tmp_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not list((tmp_path / "ckpt").rglob("last.pt")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    proc = _start(tmp_path, argv)
+    stderr = _signal_after_first_checkpoint(proc, tmp_path, signal.SIGTERM)
     assert proc.returncode == REQUEUE_EXIT, stderr[-3000:]
     (parent,) = [r for r in runs(tmp_path) if r.data.tags.get("attnres.role") == "parent"]
     assert parent.info.status == "KILLED" and parent.data.tags["attnres.status"] == "KILLED"
