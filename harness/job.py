@@ -52,6 +52,7 @@ PARENT_ENV = "ATTNRES_PARENT_RUN_ID"  # set by harness.callbacks for the jobs of
 # failure, the user is invited to retry"), distinct from 1 (an error: do not retry blindly), 2 (bad
 # input), 124 (timeout(1)) and 137 (SIGKILL). A launcher or batch script requeues on it.
 REQUEUE_EXIT = 75
+INTERRUPT_EXIT = 130  # Ctrl-C (128 + SIGINT, the shell's convention), after the same checkpoint
 
 
 def _hydra_mode() -> tuple[bool, str | None, list]:
@@ -156,7 +157,7 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         if state is not None:
             trainer.load_state_dict(state)
             log.info("resumed %s at step %d of %d", folder.path, trainer.step, spec.steps)
-        with _stop_on_sigterm(trainer):
+        with _stop_on_signals(trainer):
             final = trainer.fit()
         tracker.log_metrics(final, trainer.step)
         if c.tracking.log_plots and tracker.enabled and trainer.history:
@@ -168,16 +169,19 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
                 _log_model(tracker, model, plain)
     except BaseException as error:
         _end_on_error(tracker, folder, error)
+        # Stopped on request: the run is KILLED and resumable; one line, not a traceback, and every
+        # rank says where it stopped (they agree: the stop is decided collectively).
+        if isinstance(error, StopRequested) and trainer.stop_reason == "SIGINT":
+            print(f"{label}: interrupted (Ctrl-C): {error}", file=sys.stderr, flush=True)
+            raise SystemExit(INTERRUPT_EXIT) from None  # also ends a multirun
         if isinstance(error, StopRequested):
-            # every rank says where it stopped (they agree: the stop is decided collectively)
             print(f"{label}: {error} ({trainer.stop_reason}); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
             raise SystemExit(REQUEUE_EXIT) from None  # also ends a multirun: the machine is going
         if isinstance(error, KeyboardInterrupt) and (pruning is None or pruning.current_trial() is None):
-            # Ctrl-C: the run is KILLED and resumable; one line, not a traceback. (In an Optuna
-            # trial the sweeper takes the interrupt: it voids the trial.)
-            print(f"{label}: interrupted (Ctrl-C); the same command resumes it from its last checkpoint",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(130) from None
+            # A second Ctrl-C, or one outside the training loop. (In an Optuna trial the sweeper
+            # takes the interrupt: it voids the trial.)
+            print(f"{label}: interrupted (Ctrl-C); rerun to resume from the last checkpoint", file=sys.stderr, flush=True)
+            raise SystemExit(INTERRUPT_EXIT) from None
         raise
     if folder is not None:
         folder.write_record(status="finished", final=final)
@@ -208,18 +212,27 @@ def _skip_failed(folder: RunFolder, record: dict[str, Any], multirun: bool) -> f
 
 
 @contextmanager
-def _stop_on_sigterm(trainer: Trainer):
-    """While training, SIGTERM means "checkpoint and stop" rather than "die now". Not inside an
-    Optuna trial: the sweeper turns SIGTERM into its own interrupt (it voids the trial)."""
+def _stop_on_signals(trainer: Trainer):
+    """While training, SIGTERM and a first Ctrl-C mean "checkpoint after this step and stop"
+    rather than "die now": a KeyboardInterrupt raised anywhere could land inside a write to the
+    tracking store or the checkpoint. A second Ctrl-C interrupts at once. Not inside an Optuna
+    trial: the sweeper turns both into its own interrupt (it voids the trial)."""
     in_trial = pruning is not None and pruning.current_trial() is not None
     if in_trial or threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: trainer.request_stop(signal.Signals(signum).name))
+
+    def stop(signum, frame):
+        if signum == signal.SIGINT and trainer.stop_reason == "SIGINT":
+            raise KeyboardInterrupt  # the second Ctrl-C
+        trainer.request_stop(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _log_model(tracker, model, plain: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from harness.job import REQUEUE_EXIT
+from harness.job import INTERRUPT_EXIT, REQUEUE_EXIT
 from harness_testing import ROOT, TINY, isolated, metric_steps, run_cli, runs
 
 STEPS = 60
@@ -68,15 +68,23 @@ def test_sigterm_checkpoints_ends_killed_asks_for_requeue_and_resumes_into_the_s
     assert sorted(metric_steps(tmp_path, run.info.run_id, "val/loss")) == [20, 40, 60]
 
 
-def test_ctrl_c_is_one_line_ends_killed_and_the_same_command_resumes(tmp_path):
+def test_ctrl_c_checkpoints_ends_killed_in_one_line_and_the_same_command_resumes(tmp_path):
+    """A first Ctrl-C is a stop request like SIGTERM (the step finishes, a checkpoint is written,
+    nothing is cut mid-write), then one line and exit 130 (INTERRUPT_EXIT), no traceback."""
     proc = _start(tmp_path)
     stderr = _signal_after_first_checkpoint(proc, tmp_path, signal.SIGINT)
-    assert proc.returncode == 130, stderr[-3000:]
-    assert "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1].endswith(
-        ": interrupted (Ctrl-C); the same command resumes it from its last checkpoint")
+    assert proc.returncode == INTERRUPT_EXIT == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert ": interrupted (Ctrl-C): stopped at step " in last and last.endswith("; rerun to resume"), last
     (run,) = runs(tmp_path)
-    assert run.info.status == "KILLED" and "KeyboardInterrupt" in run.data.tags["attnres.failure"]
+    assert run.info.status == "KILLED" and "interrupted (StopRequested" in run.data.tags["attnres.failure"]
+    import torch
+
+    folder = next((tmp_path / "ckpt").rglob("run.json")).parent
+    stopped = torch.load(folder / "last.pt", weights_only=True)["step"]
+    assert f"stopped at step {stopped} of {STEPS}" in last  # checkpointed where it stopped
+    assert metric_steps(tmp_path, run.info.run_id, "train/loss") == list(range(1, stopped + 1))
 
     again = run_cli(ARGS, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]

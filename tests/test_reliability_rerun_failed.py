@@ -106,7 +106,9 @@ def test_the_stop_signal_is_named_in_what_the_job_reports():
     """SIGTERM, or submitit's requeue signal routed to the same handler, is recorded by name."""
     import signal
 
-    from harness.job import _stop_on_sigterm
+    import pytest
+
+    from harness.job import _stop_on_signals
 
     class Trainer:
         stop_reason = None
@@ -115,10 +117,15 @@ def test_the_stop_signal_is_named_in_what_the_job_reports():
             self.stop_reason = reason
 
     trainer = Trainer()
-    with _stop_on_sigterm(trainer):
+    with _stop_on_signals(trainer):
         handler = signal.getsignal(signal.SIGTERM)
         handler(signal.SIGUSR2, None)  # what _job_side.checkpoint_before_requeue hands on
         assert trainer.stop_reason == "SIGUSR2"
         signal.raise_signal(signal.SIGTERM)
         assert trainer.stop_reason == "SIGTERM"
+        signal.raise_signal(signal.SIGINT)  # a first Ctrl-C: a stop request too
+        assert trainer.stop_reason == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):  # a second one: at once
+            signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is not handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
