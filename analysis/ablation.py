@@ -237,4 +237,3 @@ def write_tables(result: AblationResult, folder, stem: str = "table4_ablation") 
     paths[2].write_text(to_latex(pretty, caption="Ablation (ours vs paper Table 4), mean ± 95% "
                                  "t-interval over seeds. " + tau, label="tab:ablation"))
     return paths
-

@@ -106,4 +106,3 @@ def load_paper(folder=None) -> Paper:
     if all(t is None for t in tables):
         paper.folder = None  # a folder without the CSVs is no paper
     return paper
-

@@ -24,5 +24,3 @@ def probe_metrics(model, data_cfg, max_per_hop: Optional[int] = None, batch_size
     out = {f"acc_hop{k}": float(v) for k, v in sorted(per_hop.items())}
     out["acc"] = sum(per_hop.values()) / len(per_hop)
     return out
-
-

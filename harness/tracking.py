@@ -514,4 +514,3 @@ def _run_exists(client, run_id: str) -> bool:
     except MlflowException:
         return False
     return run.info.lifecycle_stage == "active"
-

@@ -18,7 +18,6 @@ from attnres.residuals import hyper_connections as hc
 RTOL = 1e-5
 
 
-
 def test_c_kernels_build_here():
     """Not skipped without a compiler: a machine that cannot build them fails here with the reason
     (the model itself would silently take the PyTorch path)."""

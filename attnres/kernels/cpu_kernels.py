@@ -73,8 +73,6 @@ def _bounds(ranges) -> ctypes.Array:
     return (_I64 * (len(ranges) + 1))(*[r[0] for r in ranges], ranges[-1][1])
 
 
-
-
 def scratch_floats(n: int, R: int, heads: int, d: int, backward: bool) -> int:
     """Floats of scratch one call of the forward or backward kernel needs for n sources and R
     readers (the sizes stated in csrc/depth_read.c)."""

@@ -84,6 +84,7 @@ def depth_read_backward_op(
     dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(
         list(sources), list(inv_rms), query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token
     )
+
     def empty():  # distinct placeholders: outputs of a custom op may not alias one another
         return grad_out.new_empty(0, dtype=torch.float32)
 
