@@ -238,3 +238,94 @@ def test_a_forked_child_reads_with_threads_of_its_own(monkeypatch):
         os.waitpid(pid, 0)
         pytest.fail("the forked child's read hung (inherited a dead thread pool)")
     assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's read differs from the parent's"
+
+
+def _merge_reference(us, q, o0, lse0, key_norm, sigmoid, eps=1e-6):
+    """The merge as PAPER.md's softmax over (the running read, the new sources), in float64."""
+    scores = []
+    for u in us:
+        s = (u @ q)[:, None] * (torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) if key_norm else 1)
+        scores.append(torch.nn.functional.logsigmoid(s) if sigmoid else s)
+    alpha = torch.softmax(torch.cat([lse0, *scores], -1), -1)
+    return alpha[:, :1] * o0 + sum(alpha[:, i + 1 : i + 2] * u for i, u in enumerate(us))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("d", [64, 80])  # a width the kernel fixes at compile time, and one it does not
+@pytest.mark.parametrize("key_norm,sigmoid", [(True, False), (False, False), (True, True)])
+def test_the_merge_kernel_against_the_float64_reference(n, d, key_norm, sigmoid):
+    """csrc/depth_merge.c (the phase-2 merge of one reader, 1/rms in the kernel), fp32, 210
+    tokens (13 groups of 16 and a remainder): output and the gradients of every input (sources,
+    query, running read o0 and lse0) to 1e-5 relative to each tensor's largest entry."""
+    from attnres.kernels import ops
+
+    g = torch.Generator().manual_seed(n * d)
+    N = 210
+    us = [torch.randn(N, d, generator=g) * (0.5 + 0.4 * i) for i in range(n)]
+    q = torch.randn(d, generator=g) / d**0.5
+    o0, lse0 = torch.randn(N, d, generator=g), torch.randn(N, 1, generator=g)
+    grad = torch.randn(N, d, generator=g)
+    inputs = [x.clone().requires_grad_() for x in (*us, q, o0, lse0)]
+    assert ops.c_merge_applies(inputs[0], n, 1)
+    got = ops.merge(inputs[:n], *inputs[n:], 1e-6, key_norm, sigmoid)
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    exact = [x.detach().double().requires_grad_() for x in inputs]
+    want = _merge_reference(exact[:n], *exact[n:], key_norm, sigmoid)
+    want_grads = torch.autograd.grad(want, exact, grad.double())
+    for a, b in zip([got, *got_grads], [want, *want_grads]):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * b.abs().max().item())
+
+
+def test_the_merge_kernel_splits_tokens_over_threads_without_changing_the_result(monkeypatch):
+    """Two token ranges against one, fp32: output, lse and the per-token gradients to 1e-6; the
+    query gradient (summed per group of 16 tokens in float, the two ranges' sums added in double)
+    to 5e-5 relative."""
+    g = torch.Generator().manual_seed(1)
+    N, d = 1000, 64
+    us = [torch.randn(N, d, generator=g) for _ in range(2)]
+    q, o0, lse0 = torch.randn(d, generator=g), torch.randn(N, d, generator=g), torch.randn(N, 1, generator=g)
+    grad = torch.randn(N, d, generator=g)
+    results = {}
+    for threads in (1, 2):
+        monkeypatch.setenv("ATTNRES_CPU_THREADS", str(threads))
+        assert len(cpu_kernels._ranges(N)) == threads
+        out, lse = cpu_kernels.merge_forward(us, q, o0, lse0, 1e-6, True, False)
+        dsrc, dq, do0, dlse0 = cpu_kernels.merge_backward(us, q, out, lse0, lse, grad, 1e-6, True, False)
+        results[threads] = (out, lse, *dsrc, do0, dlse0, dq)
+    for a, b in zip(results[1][:-1], results[2][:-1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[1][-1], results[2][-1], rtol=5e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("variant", ["block", "full", "block_no_rmsnorm", "full_sigmoid"])
+def test_models_merge_with_the_merge_kernel_and_match_the_general_read(monkeypatch, variant):
+    """On the C path every phase-2 merge of a one-head variant runs csrc/depth_merge.c (Block: each
+    sublayer after the first of its block, and the output read), and the model is the one the
+    general read kernel gives: loss and every parameter gradient to 1e-5 (fp32)."""
+    from attnres.kernels import ops
+
+    cfg = ModelConfig(d_model=32, layers=4, n_heads=2, max_seq_len=24)
+    res = ResidualConfig(name=variant, **({"block_size": 2} if variant.startswith("block") else {}))
+    idx, tgt = torch.randint(0, 256, (2, 24)), torch.randint(0, 256, (2, 24))
+    kernels.set_backend(None)
+    merges, original = [], cpu_kernels.merge_forward
+    monkeypatch.setattr(cpu_kernels, "merge_forward", lambda *a: merges.append(len(a[0])) or original(*a))
+    results = []
+    for use_merge in (True, False):
+        if not use_merge:
+            monkeypatch.setattr(ops, "c_merge_applies", lambda *a: False)
+        torch.manual_seed(0)
+        model = DecoderLM(cfg, res)
+        _, loss = model(idx, tgt)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        if use_merge:
+            if variant.startswith("block"):  # 8 sublayers in blocks of 2: 4 merges of b, and the output
+                assert merges == [1] * 5, merges  # read's of the last block
+            else:
+                assert merges and max(merges) > 1, merges
+            merges.clear()
+    assert not merges  # the comparison run took the general read
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))

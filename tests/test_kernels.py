@@ -312,11 +312,14 @@ def test_paths_trace_with_torch_compile(path, backend, variant):
     x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
     want = _run(res, x, subs, ws)
     compiled = torch.compile(res, backend="aot_eager", fullgraph=True)
-    _compare(_run(compiled, x, subs, ws), want, dict(rtol=1e-6, atol=1e-6), f"compiled {backend} path, {variant}")
+    # The same kernels give the same numbers to 1e-6 (fp32); on the C path the eager merges run
+    # csrc/depth_merge.c and the traced ones the general read's custom op: fp32 rounding, 1e-5.
+    tol = dict(rtol=1e-5, atol=1e-5) if backend == "cpu" else dict(rtol=1e-6, atol=1e-6)
+    _compare(_run(compiled, x, subs, ws), want, tol, f"compiled {backend} path, {variant}")
     # Without grad too (an evaluation of a compiled model): Dynamo then inlines an
     # autograd.Function's forward, and once read its arguments shifted by one (a graph break).
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x, subs), want[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(compiled(x, subs), want[0], **tol)
 
 
 def test_core_imports_and_trains_without_triton():

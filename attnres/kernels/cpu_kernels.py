@@ -4,6 +4,9 @@ CPU tensors. ops.py routes a CPU call here, so the custom operators, their autog
 readers are shared by both kernel paths. Two differences, both for the CPU's sake: the backward
 can fold the key norm's gradient into the sources' (fold_rms), and a merge's backward is given
 the read's output where the Triton backward takes the initial state (ops._setup).
+The phase-2 merges of one reader and one head have kernels of their own, csrc/depth_merge.c
+(`merge_forward`, `merge_backward`: 1/rms of the merged sources computed in the kernel), called
+by ops._CMerge in eager mode.
 
 Threads (`native.threads`): a call splits its tokens into contiguous ranges, one per OpenMP
 thread, in torch's own pool (the library is built with OpenMP only where it can share torch's
@@ -16,6 +19,7 @@ the model, because torch's spinning OpenMP workers held the cores the second thr
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Optional
 
 import torch
@@ -42,6 +46,13 @@ _SIGNATURES = {
     "attnres_openmp": [],
     "attnres_inv_rms_forward": [_P, _P, _I64, _INT, ctypes.c_float],
     "attnres_inv_rms_backward": [_P, _P, _P, _P, _I64, _INT],
+}
+
+
+_MERGE_SIGNATURES = {
+    "attnres_merge_forward": [_P, _INT, _P, _P, _P, _P, _P, _INT, ctypes.c_float, _INT, _INT, _P, _INT],
+    "attnres_merge_backward": [_P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT, ctypes.c_float, _INT, _INT, _P, _INT],
+    "attnres_merge_max_sources": [],
 }
 
 
@@ -166,3 +177,65 @@ def inv_rms_backward(x: torch.Tensor, rho: torch.Tensor, grad: torch.Tensor) -> 
     dx = torch.empty_like(x)
     lib.attnres_inv_rms_backward(x.data_ptr(), rho.data_ptr(), grad.data_ptr(), dx.data_ptr(), N, d)
     return dx
+
+
+# --- the phase-2 merge of one reader, one head (csrc/depth_merge.c) ----------------------------
+
+
+def merge_available(n: int) -> bool:
+    """Whether csrc/depth_merge.c is built and takes n sources."""
+    lib = native.bind("depth_merge", _MERGE_SIGNATURES)
+    return lib is not None and 0 < n <= lib.attnres_merge_max_sources()
+
+
+@functools.lru_cache(maxsize=64)
+def _split(N: int, k: int) -> tuple[ctypes.Array, int]:
+    """The bounds of k token ranges of whole 16-token groups (csrc/depth_merge.c's G) and their
+    count, kept: a merge runs twice per sublayer, and in a training step its Python runs with cold
+    caches, where every line costs (benchmarks/RESULTS.md)."""
+    step = -(-N // k)
+    step = -(-step // 16) * 16
+    starts = list(range(0, N, step))
+    return (_I64 * (len(starts) + 1))(*starts, N), len(starts)
+
+
+def merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid):
+    """A running read (init_out (N, d), init_lse (N, 1)) continued by the sources (each (N, d)),
+    static query (d,), one head, 1/rms of the sources computed in the kernel. Returns the
+    output (N, d) and its lse (N, 1). The caller checks merge_available(len(sources))."""
+    lib = _merge_lib()
+    native.check_fp32_cpu("depth merge", *sources, query, init_out, init_lse)
+    N, d = init_out.shape
+    out = torch.empty(N, d, dtype=torch.float32)
+    lse = torch.empty(N, 1, dtype=torch.float32)
+    bounds, k = _split(N, threads(N))
+    lib.attnres_merge_forward(
+        _ptrs(sources), len(sources), query.data_ptr(), init_out.data_ptr(), init_lse.data_ptr(), out.data_ptr(),
+        lse.data_ptr(), d, eps, key_norm, sigmoid, bounds, k,
+    )
+    return out, lse
+
+
+def merge_backward(sources, query, out, init_lse, lse, grad_out, eps, key_norm, sigmoid):
+    """Gradients of merge_forward from its own output `out` and lse: (d_sources (a list of
+    (N, d)), d_query (d,), d_init_out (N, d), d_init_lse (N, 1)); the key norm's gradient is in
+    d_sources. Takes what merge_forward took and gave (checked there) and a contiguous fp32
+    grad_out."""
+    N, d = out.shape
+    dsrc = [torch.empty(N, d, dtype=torch.float32) for _ in sources]  # base tensors (see read_backward)
+    dq = torch.empty(d, dtype=torch.float32)
+    do0 = torch.empty(N, d, dtype=torch.float32)
+    dlse0 = torch.empty(N, 1, dtype=torch.float32)
+    bounds, k = _split(N, threads(N))
+    status = _merge_lib().attnres_merge_backward(
+        _ptrs(sources), len(sources), query.data_ptr(), out.data_ptr(), init_lse.data_ptr(), lse.data_ptr(),
+        grad_out.data_ptr(), _ptrs(dsrc), dq.data_ptr(), do0.data_ptr(), dlse0.data_ptr(), d, eps, key_norm,
+        sigmoid, bounds, k,
+    )
+    if status:
+        raise MemoryError("depth merge backward: out of memory for the query gradient's accumulators")
+    return dsrc, dq, do0, dlse0
+
+
+def _merge_lib() -> ctypes.CDLL:
+    return native.require("depth_merge", _MERGE_SIGNATURES, "the CPU merges")

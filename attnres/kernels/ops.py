@@ -199,6 +199,41 @@ class _CRead(torch.autograd.Function):
         return (dq.to(query.dtype), do0, dlse0, None, None, None, None, None, *dsrc, *d_rms)
 
 
+class _CMerge(torch.autograd.Function):
+    """A phase-2 merge on the C kernels in eager mode (csrc/depth_merge.c: one reader, one head,
+    static query): the running read (o0 (N, d), lse0 (N, 1)) continued by the sources, their 1/rms
+    computed in the kernel, forward and backward. Saved: the sources, the merge's own output and
+    lse (not o0, as in _CRead)."""
+
+    @staticmethod
+    def forward(ctx, query, init_out, init_lse, eps, key_norm, sigmoid, *sources):
+        out, lse = cpu_kernels.merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid)
+        ctx.eps, ctx.key_norm, ctx.sigmoid = eps, key_norm, sigmoid
+        ctx.save_for_backward(query, init_lse, out, lse, *sources)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, init_lse, out, lse, *sources = ctx.saved_tensors
+        g = grad_out.contiguous() if grad_out.dtype == torch.float32 else grad_out.float().contiguous()
+        dsrc, dq, do0, dlse0 = cpu_kernels.merge_backward(sources, query, out, init_lse, lse, g, ctx.eps, ctx.key_norm, ctx.sigmoid)
+        return (dq, do0, dlse0, None, None, None, *dsrc)
+
+
+def c_merge_applies(x: Tensor, n: int, heads: int) -> bool:
+    """Whether `merge` runs for a merge of n sources of tensors like x: eager mode, the C kernels
+    (fp32 CPU), one head."""
+    return (heads == 1 and x.dtype == torch.float32 and uses_c_kernels(x) and not torch.compiler.is_compiling()
+            and cpu_kernels.merge_available(n))
+
+
+def merge(sources, query, init_out, init_lse, eps, key_norm, sigmoid):
+    """The phase-2 merge of one reader and one head (see _CMerge; check c_merge_applies first):
+    the same result as `read(sources, 1/rms of the sources, query, init_out, init_lse, ...)`,
+    without the sources' 1/rms as inputs. query (d,); init_out (N, d); init_lse (N, 1)."""
+    return _CMerge.apply(query, init_out, init_lse, eps, key_norm, sigmoid, *sources)
+
+
 def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms=False):
     """`depth_read_op` (same arguments), returning (the R readers' outputs as a sequence of (N, d)
     tensors, lse (R, N, H)): the operator when torch.compile traces, a plain autograd.Function

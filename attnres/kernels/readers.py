@@ -8,7 +8,9 @@ Paths:
   the gathered scores and mix the sources in place (`mix.mix`, `mix.merge_read`): no stacking.
 - `FusedReader`, the fused path (`ops.read`: the Triton kernels on CUDA, the C kernels of
   csrc/depth_read.c on CPU): per source its 1/rms once (a kernel), and each read one kernel call
-  over the list of sources, scores computed in the kernel.
+  over the list of sources, scores computed in the kernel. On the C path a one-head phase-2 merge
+  (`ops.merge`, csrc/depth_merge.c) computes the 1/rms of the sources it merges itself: the
+  partial sum changes every sublayer, so its 1/rms was a kernel call of its own.
 
 Schedules, for static queries with `sources="block"` or `"full"`:
 - per read: every sublayer reads all its visible sources in one read;
@@ -280,6 +282,9 @@ class FusedReader(_ReaderBase):
         if not extras:  # (on the C path each reader's phase-1 output is a tensor of its own)
             return o.to(self.dtype), weights
         us = [self.stored(src.v) for src in extras]
+        if self.fold_rms and ops.c_merge_applies(us[0], len(us), self.H):  # 1/rms in the kernel
+            h = ops.merge(us, self.q_all[l], o, lse, self.res.eps, self.res.key_norm, self.sigmoid)
+            return h.to(self.dtype), weights
         rhos = [src.rho if src.rho is not None or not self.res.key_norm else self.rms(u) for src, u in zip(extras, us)]
         out, _ = self._op(us, rhos, self.q_all[l], init=(o.unsqueeze(0), lse.unsqueeze(0)))
         return out[0], weights

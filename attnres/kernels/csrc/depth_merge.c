@@ -1,0 +1,277 @@
+/* The phase-2 merge of the two-phase schedule on the CPU, forward and backward, for one reader
+ * and one head: a running read (o0, lse0) — the phase-1 read of the sources completed before the
+ * chunk — continued by n more sources u_i (Block: the partial sum b_n^{i-1}; Full: the chunk's
+ * earlier outputs), with the key norm computed here:
+ *
+ *     ρ_i = 1/rms(u_i) (1 without key norm)   s_i = (q · u_i) · ρ_i   t_i = s_i or log σ(s_i)
+ *     lse = log(e^lse0 + Σ_i e^t_i)           out = e^(lse0 − lse)·o0 + Σ_i e^(t_i − lse)·u_i
+ *
+ * the same read as attnres_read_forward with an initial state (depth_read.c), for the case that
+ * runs once per sublayer in Block AttnRes.
+ *
+ * Design decisions:
+ * - Rows, then lanes, then rows. Per group of G tokens, pass 1 sweeps each token's rows once and
+ *   takes all its sums at once (u·u and q·u; backward also g·u and g·out); pass 2 runs the
+ *   softmax and every per-token coefficient with the G tokens in the lanes of one vector; pass 3
+ *   writes each output row once, while the group's rows are still in L1. Each sum is a plain
+ *   reduction over d with d a compile-time constant at the common widths (no pointer tables, no
+ *   batched horizontal sums): at d 64 a merge ran at ~1/3 of the speed of an elementwise op moving
+ *   the same bytes in depth_read.c's general path, and close to it here (benchmarks/RESULTS.md).
+ * - 1/rms from the u·u of pass 1 instead of an input: the partial sum b changes every sublayer,
+ *   and its 1/rms was a kernel call (and a sweep of b) of its own; the backward recomputes it the
+ *   same way and adds the key norm's gradient to du directly (no 1/rms autograd node).
+ * - The backward takes the merge's own output instead of o0 (Δ = g·out; α0·(g·o0) = Δ − Σ α_i g·u_i,
+ *   as in depth_read.c), so the phase-1 output o0 need not outlive the forward.
+ * - The query's gradient is summed over a group in float and flushed into double per group;
+ *   ranges on OpenMP threads keep one double accumulator each, summed in range order at the end
+ *   (a given thread count always gives the same result).
+ * Pointers are raw; shapes and contiguity are checked by the Python wrapper (cpu_kernels.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vector_math.h"
+
+typedef int64_t i64;
+
+#define G 16 /* tokens per group: the lanes of pass 2 */
+#define MAX_SOURCES 64 /* bound of the per-group tables on the stack; the wrapper checks it */
+
+static inline float log_sigmoid(float s) { return smaller(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
+
+/* Ask for a row two groups ahead: within a group the loop jumps between n + 1 tensors every
+ * row, runs too short for the hardware prefetcher to follow. */
+static inline void prefetch_ahead(const float *row, int d, i64 t, i64 t1) {
+    if (t + 2 * G < t1)
+        for (int c = 0; c < d; c += 16) __builtin_prefetch(row + 2 * G * d + c, 0, 1);
+}
+
+static inline __attribute__((always_inline)) void merge_forward_body(
+    const float *const *u, int n, const float *restrict q, const float *restrict o0, const float *restrict lse0,
+    float *restrict out, float *restrict lse, int d, float eps, int key_norm, int use_sigmoid, i64 t0, i64 t1) {
+    float S[MAX_SOURCES * G]; /* per (source, lane): score, then weight */
+    float A0[G], L[G];
+    for (i64 ta = t0; ta < t1; ta += G) {
+        const int T = (int)(t1 - ta < G ? t1 - ta : G);
+        for (int k = 0; k < T; k++) { /* pass 1: sums per row */
+            const i64 t = ta + k;
+            prefetch_ahead(o0 + t * d, d, t, t1);
+            for (int i = 0; i < n; i++) {
+                const float *restrict x = u[i] + t * d;
+                prefetch_ahead(x, d, t, t1);
+                float xx = 0.f, qx = 0.f;
+#pragma omp simd reduction(+ : xx, qx)
+                for (int c = 0; c < d; c++) {
+                    xx += x[c] * x[c];
+                    qx += q[c] * x[c];
+                }
+                S[i * G + k] = key_norm ? qx / sqrtf(xx / d + eps) : qx;
+            }
+            L[k] = lse0[t];
+        }
+        for (int k = T; k < G; k++) { /* idle lanes: finite, never written out */
+            for (int i = 0; i < n; i++) S[i * G + k] = 0.f;
+            L[k] = 0.f;
+        }
+        if (use_sigmoid) /* σ_i / (e^lse0 + Σ σ_j) = softmax over (lse0, log σ_i) */
+            for (int j = 0; j < n * G; j++) S[j] = log_sigmoid(S[j]);
+        float m[G], z[G];
+#pragma omp simd
+        for (int k = 0; k < G; k++) m[k] = L[k];
+        for (int i = 0; i < n; i++) {
+#pragma omp simd
+            for (int k = 0; k < G; k++) m[k] = larger(m[k], S[i * G + k]);
+        }
+#pragma omp simd
+        for (int k = 0; k < G; k++) z[k] = A0[k] = exp_f(L[k] - m[k]);
+        for (int i = 0; i < n; i++) {
+#pragma omp simd
+            for (int k = 0; k < G; k++) {
+                S[i * G + k] = exp_f(S[i * G + k] - m[k]);
+                z[k] += S[i * G + k];
+            }
+        }
+#pragma omp simd
+        for (int k = 0; k < G; k++) {
+            L[k] = m[k] + log_f(z[k]);
+            z[k] = 1.f / z[k];
+            A0[k] *= z[k];
+        }
+        for (int i = 0; i < n; i++) {
+#pragma omp simd
+            for (int k = 0; k < G; k++) S[i * G + k] *= z[k];
+        }
+        for (int k = 0; k < T; k++) { /* pass 3: each output row once */
+            const i64 t = ta + k;
+            float *restrict y = out + t * d;
+            const float *restrict x0 = o0 + t * d;
+            const float a0 = A0[k];
+#pragma omp simd
+            for (int c = 0; c < d; c++) y[c] = a0 * x0[c];
+            for (int i = 0; i < n; i++) {
+                const float a = S[i * G + k];
+                const float *restrict x = u[i] + t * d;
+#pragma omp simd
+                for (int c = 0; c < d; c++) y[c] += a * x[c];
+            }
+            lse[t] = L[k];
+        }
+    }
+}
+
+/* The gradients, with α_i = e^(t_i − lse), α0 = e^(lse0 − lse), Δ = g·out and no gradient into
+ * lse (a merge's lse is not an output of the model):
+ *     dt_i = α_i (g·u_i − Δ)     ds_i = dt_i (softmax) or dt_i σ(−s_i) (sigmoid)
+ *     du_i = α_i g + ds_i ρ_i q − ds_i s_i ρ_i² u_i / d     (the last term: the key norm's)
+ *     dq = Σ_t Σ_i ds_i ρ_i u_i     do0 = α0 g     dlse0 = −Σ_i dt_i  (= α0 (g·o0 − Δ))
+ */
+static inline __attribute__((always_inline)) void merge_backward_body(
+    const float *const *u, int n, const float *restrict q, const float *restrict out, const float *restrict lse0,
+    const float *restrict lse, const float *restrict g, float *const *du, double *restrict dq, float *restrict do0,
+    float *restrict dlse0, int d, float eps, int key_norm, int use_sigmoid, i64 t0, i64 t1, float *restrict dq_group) {
+    float S[MAX_SOURCES * G];  /* score s, then α */
+    float GU[MAX_SOURCES * G]; /* g·u, then ds·ρ (the coefficient of q) */
+    float RH[MAX_SOURCES * G]; /* ρ, then −ds·s·ρ²/d (the coefficient of u) */
+    float GO[G], L[G], A0[G], DL0[G];
+    for (i64 ta = t0; ta < t1; ta += G) {
+        const int T = (int)(t1 - ta < G ? t1 - ta : G);
+        for (int k = 0; k < T; k++) { /* pass 1: sums per row */
+            const i64 t = ta + k;
+            const float *restrict gt = g + t * d, *restrict yt = out + t * d;
+            prefetch_ahead(gt, d, t, t1);
+            prefetch_ahead(yt, d, t, t1);
+            float gy = 0.f;
+#pragma omp simd reduction(+ : gy)
+            for (int c = 0; c < d; c++) gy += gt[c] * yt[c];
+            GO[k] = gy;
+            for (int i = 0; i < n; i++) {
+                const float *restrict x = u[i] + t * d;
+                prefetch_ahead(x, d, t, t1);
+                float xx = 0.f, qx = 0.f, gx = 0.f;
+#pragma omp simd reduction(+ : xx, qx, gx)
+                for (int c = 0; c < d; c++) {
+                    xx += x[c] * x[c];
+                    qx += q[c] * x[c];
+                    gx += gt[c] * x[c];
+                }
+                const float rho = key_norm ? 1.f / sqrtf(xx / d + eps) : 1.f;
+                S[i * G + k] = qx * rho;
+                RH[i * G + k] = rho;
+                GU[i * G + k] = gx;
+            }
+            L[k] = lse[t];
+            A0[k] = lse0[t];
+        }
+        for (int k = T; k < G; k++) {
+            for (int i = 0; i < n; i++) S[i * G + k] = 0.f, RH[i * G + k] = 1.f, GU[i * G + k] = 0.f;
+            GO[k] = L[k] = A0[k] = 0.f;
+        }
+#pragma omp simd
+        for (int k = 0; k < G; k++) {
+            A0[k] = exp_f(A0[k] - L[k]);
+            DL0[k] = 0.f;
+        }
+        for (int i = 0; i < n; i++) { /* pass 2: coefficients, tokens in the lanes */
+#pragma omp simd
+            for (int k = 0; k < G; k++) {
+                const int j = i * G + k;
+                const float s = S[j];
+                const float t = use_sigmoid ? log_sigmoid(s) : s;
+                const float a = exp_f(t - L[k]);
+                const float dt = a * (GU[j] - GO[k]);
+                const float ds = use_sigmoid ? dt / (1.f + exp_f(s)) : dt;
+                DL0[k] -= dt;
+                S[j] = a;
+                GU[j] = ds * RH[j];
+                RH[j] = key_norm ? -ds * s * RH[j] * RH[j] / d : 0.f;
+            }
+        }
+        memset(dq_group, 0, sizeof(float) * d);
+        for (int k = 0; k < T; k++) { /* pass 3: each gradient row once */
+            const i64 t = ta + k;
+            const float *restrict gt = g + t * d;
+            float *restrict o = do0 + t * d;
+            const float a0 = A0[k];
+#pragma omp simd
+            for (int c = 0; c < d; c++) o[c] = a0 * gt[c];
+            dlse0[t] = DL0[k];
+            for (int i = 0; i < n; i++) {
+                const int j = i * G + k;
+                const float a = S[j], cq = GU[j], cu = RH[j];
+                const float *restrict x = u[i] + t * d;
+                float *restrict dx = du[i] + t * d;
+#pragma omp simd
+                for (int c = 0; c < d; c++) {
+                    dx[c] = a * gt[c] + cq * q[c] + cu * x[c];
+                    dq_group[c] += cq * x[c];
+                }
+            }
+        }
+        for (int c = 0; c < d; c++) dq[c] += dq_group[c];
+    }
+}
+
+/* The common widths as compile-time constants (see vector_math.h's FIXED). */
+#define WIDTHS(call) \
+    switch (d) {     \
+    case 64: call(64); break; \
+    case 128: call(128); break; \
+    case 256: call(256); break; \
+    default: call(d); \
+    }
+
+static void merge_forward(const float *const *u, int n, const float *q, const float *o0, const float *lse0, float *out,
+                          float *lse, int d, float eps, int key_norm, int use_sigmoid, i64 t0, i64 t1) {
+#define FWD(w) merge_forward_body(u, n, q, o0, lse0, out, lse, w, eps, key_norm, use_sigmoid, t0, t1)
+    WIDTHS(FWD)
+#undef FWD
+}
+
+static void merge_backward(const float *const *u, int n, const float *q, const float *out, const float *lse0,
+                           const float *lse, const float *g, float *const *du, double *dq, float *do0, float *dlse0,
+                           int d, float eps, int key_norm, int use_sigmoid, i64 t0, i64 t1, float *dq_group) {
+#define BWD(w) merge_backward_body(u, n, q, out, lse0, lse, g, du, dq, do0, dlse0, w, eps, key_norm, use_sigmoid, t0, t1, dq_group)
+    WIDTHS(BWD)
+#undef BWD
+}
+
+int attnres_merge_max_sources(void) { return MAX_SOURCES; }
+
+/* Forward over the k token ranges [bounds[j], bounds[j + 1]), one per OpenMP thread (where the
+ * library is built with OpenMP, see native.py). u: n pointers to (N, d); q (d); o0 (N, d);
+ * lse0, lse (N); out (N, d). Returns 0. */
+int attnres_merge_forward(const float *const *u, int n, const float *q, const float *o0, const float *lse0, float *out,
+                          float *lse, int d, float eps, int key_norm, int use_sigmoid, const i64 *bounds, int k) {
+#pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
+    for (int j = 0; j < k; j++)
+        merge_forward(u, n, q, o0, lse0, out, lse, d, eps, key_norm, use_sigmoid, bounds[j], bounds[j + 1]);
+    return 0;
+}
+
+/* Backward over the k ranges; out is the merge's own output, g its gradient; writes du (n
+ * pointers to (N, d)), dq (d), do0 (N, d), dlse0 (N). Returns 0, or 1 if memory ran out. */
+int attnres_merge_backward(const float *const *u, int n, const float *q, const float *out, const float *lse0,
+                           const float *lse, const float *g, float *const *du, float *dq, float *do0, float *dlse0,
+                           int d, float eps, int key_norm, int use_sigmoid, const i64 *bounds, int k) {
+    double *acc = calloc((size_t)k * d, sizeof(double));
+    float *groups = malloc(sizeof(float) * (size_t)k * d);
+    if (!acc || !groups) {
+        free(acc);
+        free(groups);
+        return 1;
+    }
+#pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
+    for (int j = 0; j < k; j++)
+        merge_backward(u, n, q, out, lse0, lse, g, du, acc + (i64)j * d, do0, dlse0, d, eps, key_norm, use_sigmoid,
+                       bounds[j], bounds[j + 1], groups + (i64)j * d);
+    for (int c = 0; c < d; c++) {
+        double s = 0.0;
+        for (int j = 0; j < k; j++) s += acc[(i64)j * d + c];
+        dq[c] = (float)s;
+    }
+    free(acc);
+    free(groups);
+    return 0;
+}
