@@ -291,6 +291,24 @@ def test_rerun_after_interrupt_finishes_the_remaining_trials_only(tmp_path):
     assert len(trials) == 7
 
 
+def test_a_study_continues_only_with_the_overrides_it_started_with(tmp_path):
+    """Trials of one study must be comparable: continuing it with another fixed override that
+    changes what a trial computes is refused in one line before any trial; one that does not
+    (a harness key outside a run's identity, here train.progress) continues it."""
+    log = tmp_path / "calls.jsonl"
+    sweep(tmp_path, "first", LR, "model.layers=4", "hydra.sweeper.n_trials=2", SWEEP_TEST_CALLS=str(log))
+    other = sweep(tmp_path, "other", LR, "model.layers=8", "hydra.sweeper.n_trials=3", check=False, SWEEP_TEST_CALLS=str(log))
+    assert other.returncode != 0
+    lines = [line for line in other.stderr.splitlines() if "attnres_optuna sweeper:" in line]
+    assert len(lines) == 1 and "study test was started with the overrides ['model.layers=4']" in lines[0], other.stderr
+    assert "this command gives ['model.layers=8']" in lines[0]
+    assert "Traceback" not in other.stderr
+    assert len(calls(log)) == 2  # nothing ran
+    sweep(tmp_path, "same", LR, "model.layers=4", "+train.progress=false", "hydra.sweeper.n_trials=3", SWEEP_TEST_CALLS=str(log))
+    assert len(calls(log)) == 3
+    assert len(study(tmp_path, "test").trials) == 3
+
+
 def test_a_dead_workers_trial_is_run_again(tmp_path):
     log = tmp_path / "calls.jsonl"
     beat = ["hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2"]

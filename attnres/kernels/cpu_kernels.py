@@ -193,8 +193,8 @@ def _split(N: int, k: int) -> tuple[ctypes.Array, int]:
     """The bounds of k token ranges of whole 16-token groups (csrc/depth_merge.c's G) and their
     count, kept: a merge runs twice per sublayer, and in a training step its Python runs with cold
     caches, where every line costs (benchmarks/RESULTS.md)."""
-    step = -(-N // k)
-    step = -(-step // 16) * 16
+    per_range = -(-N // k)
+    step = max(16, -(-per_range // 16) * 16)  # whole groups
     starts = list(range(0, N, step))
     return (_I64 * (len(starts) + 1))(*starts, N), len(starts)
 

@@ -42,6 +42,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from harness import pruning
+from harness.checkpoint import NOT_IDENTITY
 
 from . import _summary
 from ._ledger import FAILURE_ATTR, VOID_ATTR, Ledger, failure_budget, is_genuine_failure, rank
@@ -61,6 +62,14 @@ from .config import AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
 log = logging.getLogger(__name__)
 
 _FIXED_ATTR = "attnres.fixed_overrides"
+
+
+def _identity(fixed) -> list[str]:
+    """The fixed overrides that change what a trial computes: all but Hydra's own and those of
+    the keys the harness leaves out of a run's identity (harness.checkpoint.NOT_IDENTITY:
+    tracking, progress, checkpoint folders, threads, ...)."""
+    keys = [(line.lstrip("+~").split("=", 1)[0], line) for line in fixed]
+    return [line for key, line in keys if not key.startswith(("hydra.", *NOT_IDENTITY))]
 
 
 class SweepRunner:
@@ -230,14 +239,12 @@ class SweepRunner:
                     f"not {s.direction}: set hydra.sweeper.study_name to start a new study"
                 ) from None
             started_with = study.user_attrs.get(_FIXED_ATTR)
-            if started_with is not None and list(started_with) != list(plan.fixed):
-                log.warning(
-                    "study %s was started with overrides %s and continues with %s: "
-                    "its trials are not comparable; set hydra.sweeper.study_name for a new study",
-                    name,
-                    started_with,
-                    list(plan.fixed),
-                )
+            if started_with is not None and _identity(started_with) != _identity(plan.fixed):
+                raise SweeperConfigError(
+                    f"study {name} was started with the overrides {_identity(started_with)}, this command "
+                    f"gives {_identity(plan.fixed)}: their trials would not be comparable; run it with the "
+                    "same overrides, or set hydra.sweeper.study_name to start a new study"
+                ) from None
             return study, False
         study.set_user_attr(_FIXED_ATTR, list(plan.fixed))
         for point in enqueue:
