@@ -37,13 +37,9 @@ from typing import Any
 import torch
 
 from harness.config import flatten
+from harness.identity import NOT_IDENTITY
 from harness.resolvers import PROJECT_ROOT
 
-# Keys that do not change what the run computes (prefixes of flattened keys).
-NOT_IDENTITY = (
-    "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
-    "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",
-)
 CHECKPOINT = "last.pt"
 RECORD = "run.json"
 

@@ -313,9 +313,9 @@ def test_a_dead_workers_trial_is_run_again(tmp_path):
     log = tmp_path / "calls.jsonl"
     beat = ["hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2"]
     worker = subprocess.Popen(
-        _command(tmp_path, "killed", LR, "hydra.sweeper.n_trials=3", "train.sleep=60", *beat),
+        _command(tmp_path, "killed", LR, "hydra.sweeper.n_trials=3", *beat),
         cwd=tmp_path,
-        env=_env(SWEEP_TEST_CALLS=str(log)),
+        env=_env(SWEEP_TEST_CALLS=str(log), SWEEP_TEST_SLEEP="60"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

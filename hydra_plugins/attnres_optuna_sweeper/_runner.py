@@ -42,7 +42,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from harness import pruning
-from harness.checkpoint import NOT_IDENTITY
+from harness.identity import NOT_IDENTITY
 
 from . import _summary
 from ._ledger import FAILURE_ATTR, VOID_ATTR, Ledger, failure_budget, is_genuine_failure, rank
@@ -66,7 +66,7 @@ _FIXED_ATTR = "attnres.fixed_overrides"
 
 def _identity(fixed) -> list[str]:
     """The fixed overrides that change what a trial computes: all but Hydra's own and those of
-    the keys the harness leaves out of a run's identity (harness.checkpoint.NOT_IDENTITY:
+    the keys the harness leaves out of a run's identity (harness.identity.NOT_IDENTITY:
     tracking, progress, checkpoint folders, threads, ...)."""
     keys = [(line.lstrip("+~").split("=", 1)[0], line) for line in fixed]
     return [line for key, line in keys if not key.startswith(("hydra.", *NOT_IDENTITY))]

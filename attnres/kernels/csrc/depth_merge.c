@@ -39,8 +39,6 @@ typedef int64_t i64;
 #define G 16 /* tokens per group: the lanes of pass 2 */
 #define MAX_SOURCES 64 /* bound of the per-group tables on the stack; the wrapper checks it */
 
-static inline float log_sigmoid(float s) { return smaller(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
-
 /* Ask for a row two groups ahead: within a group the loop jumps between n + 1 tensors every
  * row, runs too short for the hardware prefetcher to follow. */
 static inline void prefetch_ahead(const float *row, int d, i64 t, i64 t1) {

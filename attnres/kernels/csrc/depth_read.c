@@ -65,8 +65,6 @@ static inline void prefetch_row(const float *row, int d) {
     for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c, 0, 1);
 }
 
-static inline float log_sigmoid(float s) { return smaller(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
-
 #define TT 64 /* tokens per tile */
 
 /* ---- dot products in batches of four ----------------------------------------------------------

@@ -62,6 +62,9 @@ static inline float log_f(float x) { /* x > 0, finite */
     return m + y + 0.693359375f * e;
 }
 
+/* log σ(s) without overflow: min(s, 0) − log(1 + e^−|s|). */
+static inline float log_sigmoid(float s) { return smaller(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
+
 static inline float dot_n(const float *restrict a, const float *restrict b, int w) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
