@@ -28,6 +28,7 @@ recorded in RESULTS.md are in benchmarks/results/, written with --json) beside t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -76,12 +77,31 @@ def machine() -> dict:
     return info
 
 
+@contextlib.contextmanager
+def _kineto_quiet():
+    """The profiler's C++ side (kineto) writes `USDT… profiler_start/stop` lines to the process's
+    stderr at every start and stop, whatever its log level; they would bury the table. fd 2 goes
+    to /dev/null while the profiler runs (a step the timed rounds already ran: anything it warns
+    was printed there)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def cpu_peak_bytes(fn) -> int:
     """Peak of live bytes allocated during fn() above the level before it (profiler events)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     sizes = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
