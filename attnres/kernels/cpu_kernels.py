@@ -199,16 +199,23 @@ def _split(N: int, k: int) -> tuple[ctypes.Array, int]:
     return (_I64 * (len(starts) + 1))(*starts, N), len(starts)
 
 
-def merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid):
+def merge_split(N: int) -> tuple[ctypes.Array, int]:
+    """The token ranges of a merge of N tokens (one per thread, `native.threads`), for
+    merge_forward/backward: a reader takes them once for all its merges."""
+    return _split(N, threads(N))
+
+
+def merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):
     """A running read (init_out (N, d), init_lse (N, 1)) continued by the sources (each (N, d)),
     static query (d,), one head, 1/rms of the sources computed in the kernel. Returns the
-    output (N, d) and its lse (N, 1). The caller checks merge_available(len(sources))."""
+    output (N, d) and its lse (N, 1). The caller checks merge_available(len(sources)); split:
+    merge_split(N), if the caller has it."""
     lib = _merge_lib()
     native.check_fp32_cpu("depth merge", *sources, query, init_out, init_lse)
     N, d = init_out.shape
     out = torch.empty(N, d, dtype=torch.float32)
     lse = torch.empty(N, 1, dtype=torch.float32)
-    bounds, k = _split(N, threads(N))
+    bounds, k = split or merge_split(N)
     lib.attnres_merge_forward(
         _ptrs(sources), len(sources), query.data_ptr(), init_out.data_ptr(), init_lse.data_ptr(), out.data_ptr(),
         lse.data_ptr(), d, eps, key_norm, sigmoid, bounds, k,
@@ -216,7 +223,7 @@ def merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid):
     return out, lse
 
 
-def merge_backward(sources, query, out, init_lse, lse, grad_out, eps, key_norm, sigmoid):
+def merge_backward(sources, query, out, init_lse, lse, grad_out, eps, key_norm, sigmoid, split=None):
     """Gradients of merge_forward from its own output `out` and lse: (d_sources (a list of
     (N, d)), d_query (d,), d_init_out (N, d), d_init_lse (N, 1)); the key norm's gradient is in
     d_sources. Takes what merge_forward took and gave (checked there) and a contiguous fp32
@@ -226,7 +233,7 @@ def merge_backward(sources, query, out, init_lse, lse, grad_out, eps, key_norm, 
     dq = torch.empty(d, dtype=torch.float32)
     do0 = torch.empty(N, d, dtype=torch.float32)
     dlse0 = torch.empty(N, 1, dtype=torch.float32)
-    bounds, k = _split(N, threads(N))
+    bounds, k = split or merge_split(N)
     status = _merge_lib().attnres_merge_backward(
         _ptrs(sources), len(sources), query.data_ptr(), out.data_ptr(), init_lse.data_ptr(), lse.data_ptr(),
         grad_out.data_ptr(), _ptrs(dsrc), dq.data_ptr(), do0.data_ptr(), dlse0.data_ptr(), d, eps, key_norm,

@@ -206,9 +206,10 @@ class _CMerge(torch.autograd.Function):
     lse (not o0, as in _CRead)."""
 
     @staticmethod
-    def forward(ctx, query, init_out, init_lse, eps, key_norm, sigmoid, *sources):
-        out, lse = cpu_kernels.merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid)
-        ctx.eps, ctx.key_norm, ctx.sigmoid = eps, key_norm, sigmoid
+    def forward(ctx, query, init_out, init_lse, eps, key_norm, sigmoid, split, *sources):
+        split = split or cpu_kernels.merge_split(init_out.shape[0])
+        out, lse = cpu_kernels.merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split)
+        ctx.eps, ctx.key_norm, ctx.sigmoid, ctx.split = eps, key_norm, sigmoid, split
         ctx.save_for_backward(query, init_lse, out, lse, *sources)
         return out
 
@@ -216,8 +217,10 @@ class _CMerge(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, init_lse, out, lse, *sources = ctx.saved_tensors
         g = grad_out.contiguous() if grad_out.dtype == torch.float32 else grad_out.float().contiguous()
-        dsrc, dq, do0, dlse0 = cpu_kernels.merge_backward(sources, query, out, init_lse, lse, g, ctx.eps, ctx.key_norm, ctx.sigmoid)
-        return (dq, do0, dlse0, None, None, None, *dsrc)
+        dsrc, dq, do0, dlse0 = cpu_kernels.merge_backward(
+            sources, query, out, init_lse, lse, g, ctx.eps, ctx.key_norm, ctx.sigmoid, ctx.split
+        )
+        return (dq, do0, dlse0, None, None, None, None, *dsrc)
 
 
 def c_merge_applies(x: Tensor, n: int, heads: int) -> bool:
@@ -227,11 +230,13 @@ def c_merge_applies(x: Tensor, n: int, heads: int) -> bool:
             and cpu_kernels.merge_available(n))
 
 
-def merge(sources, query, init_out, init_lse, eps, key_norm, sigmoid):
+def merge(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):
     """The phase-2 merge of one reader and one head (see _CMerge; check c_merge_applies first):
     the same result as `read(sources, 1/rms of the sources, query, init_out, init_lse, ...)`,
-    without the sources' 1/rms as inputs. query (d,); init_out (N, d); init_lse (N, 1)."""
-    return _CMerge.apply(query, init_out, init_lse, eps, key_norm, sigmoid, *sources)
+    without the sources' 1/rms as inputs. query (d,); init_out (N, d); init_lse (N, 1); split:
+    cpu_kernels.merge_split(N), which a reader can take once for all its merges (its lines cost
+    ~20 µs a call with the cold caches of a training step; the backward reuses the forward's)."""
+    return _CMerge.apply(query, init_out, init_lse, eps, key_norm, sigmoid, split, *sources)
 
 
 def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms=False):

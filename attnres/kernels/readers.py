@@ -219,6 +219,7 @@ class FusedReader(_ReaderBase):
         # C kernels in eager mode: 1/rms outside autograd, its gradient folded into each read's
         # backward (ops.read); the sources are then exactly the tensors their 1/rms was taken of.
         self.fold_rms = self.c_kernels and not torch.compiler.is_compiling()
+        self.split = None  # token ranges of the C merges, taken at the first one
 
     def rms(self, v: torch.Tensor) -> torch.Tensor:
         return ops.inv_rms_values(v, self.res.eps) if self.fold_rms else ops.inv_rms(v, self.res.eps)
@@ -283,7 +284,8 @@ class FusedReader(_ReaderBase):
             return o.to(self.dtype), weights
         us = [self.stored(src.v) for src in extras]
         if self.fold_rms and ops.c_merge_applies(us[0], len(us), self.H):  # 1/rms in the kernel
-            h = ops.merge(us, self.q_all[l], o, lse, self.res.eps, self.res.key_norm, self.sigmoid)
+            self.split = self.split or ops.cpu_kernels.merge_split(self.N)
+            h = ops.merge(us, self.q_all[l], o, lse, self.res.eps, self.res.key_norm, self.sigmoid, self.split)
             return h.to(self.dtype), weights
         rhos = [src.rho if src.rho is not None or not self.res.key_norm else self.rms(u) for src, u in zip(extras, us)]
         out, _ = self._op(us, rhos, self.q_all[l], init=(o.unsqueeze(0), lse.unsqueeze(0)))
