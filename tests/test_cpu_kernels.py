@@ -240,43 +240,53 @@ def test_a_forked_child_reads_with_threads_of_its_own(monkeypatch):
     assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's read differs from the parent's"
 
 
-def _merge_reference(us, q, o0, lse0, key_norm, sigmoid, eps=1e-6):
-    """The merge as PAPER.md's softmax over (the running read, the new sources), in float64."""
-    scores = []
+def _read_one_reference(us, q, o0, lse0, key_norm, sigmoid, eps=1e-6):
+    """One reader's read as PAPER.md's softmax over (the running read, if any, and the sources),
+    in float64; q (d,) or per token (N, d)."""
+    scores = [lse0] if o0 is not None else []
     for u in us:
-        s = (u @ q)[:, None] * (torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) if key_norm else 1)
+        s = (u * q).sum(-1, keepdim=True) * (torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) if key_norm else 1)
         scores.append(torch.nn.functional.logsigmoid(s) if sigmoid else s)
-    alpha = torch.softmax(torch.cat([lse0, *scores], -1), -1)
-    return alpha[:, :1] * o0 + sum(alpha[:, i + 1 : i + 2] * u for i, u in enumerate(us))
+    alpha = torch.softmax(torch.cat(scores, -1), -1)
+    values = ([o0] if o0 is not None else []) + list(us)
+    return sum(alpha[:, i : i + 1] * v for i, v in enumerate(values))
+
+
+READ_ONE_CASES = [  # (running read, per-token query, key norm, sigmoid)
+    (True, False, True, False), (True, False, False, False), (True, False, True, True),
+    (False, False, True, False), (False, True, True, False), (True, True, False, True),
+]
 
 
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("d", [64, 80])  # a width the kernel fixes at compile time, and one it does not
-@pytest.mark.parametrize("key_norm,sigmoid", [(True, False), (False, False), (True, True)])
-def test_the_merge_kernel_against_the_float64_reference(n, d, key_norm, sigmoid):
-    """csrc/depth_merge.c (the phase-2 merge of one reader, 1/rms in the kernel), fp32, 210
-    tokens (13 groups of 16 and a remainder): output and the gradients of every input (sources,
-    query, running read o0 and lse0) to 1e-5 relative to each tensor's largest entry."""
+@pytest.mark.parametrize("merge,per_token,key_norm,sigmoid", READ_ONE_CASES)
+def test_the_one_reader_kernel_against_the_float64_reference(n, d, merge, per_token, key_norm, sigmoid):
+    """csrc/depth_read_one.c (one reader, one head, 1/rms in the kernel): a phase-2 merge or a
+    plain read, static or per-token query, fp32, 210 tokens (13 groups of 16 and a remainder):
+    output and the gradients of every input (sources, query, and a merge's running read o0 and
+    lse0) to 1e-5 relative to each tensor's largest entry."""
     from attnres.kernels import ops
 
     g = torch.Generator().manual_seed(n * d)
     N = 210
     us = [torch.randn(N, d, generator=g) * (0.5 + 0.4 * i) for i in range(n)]
-    q = torch.randn(d, generator=g) / d**0.5
-    o0, lse0 = torch.randn(N, d, generator=g), torch.randn(N, 1, generator=g)
+    q = torch.randn(*((N, d) if per_token else (d,)), generator=g) / d**0.5
+    init = [torch.randn(N, d, generator=g), torch.randn(N, 1, generator=g)] if merge else []
     grad = torch.randn(N, d, generator=g)
-    inputs = [x.clone().requires_grad_() for x in (*us, q, o0, lse0)]
-    assert ops.c_merge_applies(inputs[0], n, 1)
-    got = ops.merge(inputs[:n], *inputs[n:], 1e-6, key_norm, sigmoid)
+    inputs = [x.clone().requires_grad_() for x in (*us, q, *init)]
+    assert ops.c_read_one_applies(inputs[0], n, 1)
+    running = inputs[n + 1 :] if merge else [None, None]
+    got = ops.read_one(inputs[:n], inputs[n], *running, 1e-6, key_norm, sigmoid)
     got_grads = torch.autograd.grad(got, inputs, grad)
     exact = [x.detach().double().requires_grad_() for x in inputs]
-    want = _merge_reference(exact[:n], *exact[n:], key_norm, sigmoid)
+    want = _read_one_reference(exact[:n], exact[n], *(exact[n + 1 :] if merge else [None, None]), key_norm, sigmoid)
     want_grads = torch.autograd.grad(want, exact, grad.double())
     for a, b in zip([got, *got_grads], [want, *want_grads]):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * b.abs().max().item())
 
 
-def test_the_merge_kernel_splits_tokens_over_threads_without_changing_the_result(monkeypatch):
+def test_the_one_reader_kernel_splits_tokens_over_threads_without_changing_the_result(monkeypatch):
     """Two token ranges against one, fp32: output, lse and the per-token gradients to 1e-6; the
     query gradient (summed per group of 16 tokens in float, the two ranges' sums added in double)
     to 5e-5 relative."""
@@ -289,43 +299,63 @@ def test_the_merge_kernel_splits_tokens_over_threads_without_changing_the_result
     for threads in (1, 2):
         monkeypatch.setenv("ATTNRES_CPU_THREADS", str(threads))
         assert len(cpu_kernels._ranges(N)) == threads
-        out, lse = cpu_kernels.merge_forward(us, q, o0, lse0, 1e-6, True, False)
-        dsrc, dq, do0, dlse0 = cpu_kernels.merge_backward(us, q, out, lse0, lse, grad, 1e-6, True, False)
+        out, lse = cpu_kernels.read_one_forward(us, q, o0, lse0, 1e-6, True, False)
+        dsrc, dq, do0, dlse0 = cpu_kernels.read_one_backward(us, q, out, lse0, lse, grad, 1e-6, True, False)
         results[threads] = (out, lse, *dsrc, do0, dlse0, dq)
     for a, b in zip(results[1][:-1], results[2][:-1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[1][-1], results[2][-1], rtol=5e-5, atol=5e-5)
 
 
-@pytest.mark.parametrize("variant", ["block", "full", "block_no_rmsnorm", "full_sigmoid"])
-def test_models_merge_with_the_merge_kernel_and_match_the_general_read(monkeypatch, variant):
-    """On the C path every phase-2 merge of a one-head variant runs csrc/depth_merge.c (Block: each
-    sublayer after the first of its block, and the output read), and the model is the one the
-    general read kernel gives: loss and every parameter gradient to 1e-5 (fp32)."""
+# 8 sublayers and the output read. Two-phase Block in blocks of 2: 4 merges of b and the output
+# read's of the last block; Full: merges of up to 7 sources; per-sublayer reads: 9 plain reads.
+ONE_READER_CALLS = {
+    "block": ([1] * 5, [False] * 5),
+    "block_no_rmsnorm": ([1] * 5, [False] * 5),
+    "full": (None, None),
+    "full_sigmoid": (None, None),
+    "sliding_window": (None, [True] * 9),
+    "full_input_query": (list(range(1, 10)), [True] * 9),
+    "block/per_read": ([1, 2, 2, 3, 3, 4, 4, 5, 5], [True] * 9),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_READER_CALLS))
+def test_models_read_with_the_one_reader_kernel_and_match_the_general_read(monkeypatch, case):
+    """On the C path every read of one reader and one head runs csrc/depth_read_one.c — phase-2
+    merges and per-sublayer reads (sliding window, per-token queries, the per-read schedule) — and
+    the model is the one the general read kernel gives: loss and every parameter gradient to 1e-5
+    (fp32)."""
     from attnres.kernels import ops
 
+    variant, _, schedule = case.partition("/")
+    kernels.set_schedule(schedule or None)
     cfg = ModelConfig(d_model=32, layers=4, n_heads=2, max_seq_len=24)
     res = ResidualConfig(name=variant, **({"block_size": 2} if variant.startswith("block") else {}))
     idx, tgt = torch.randint(0, 256, (2, 24)), torch.randint(0, 256, (2, 24))
     kernels.set_backend(None)
-    merges, original = [], cpu_kernels.merge_forward
-    monkeypatch.setattr(cpu_kernels, "merge_forward", lambda *a: merges.append(len(a[0])) or original(*a))
+    calls, original = [], cpu_kernels.read_one_forward
+    monkeypatch.setattr(cpu_kernels, "read_one_forward", lambda *a: calls.append((len(a[0]), a[2] is None)) or original(*a))
     results = []
-    for use_merge in (True, False):
-        if not use_merge:
-            monkeypatch.setattr(ops, "c_merge_applies", lambda *a: False)
-        torch.manual_seed(0)
-        model = DecoderLM(cfg, res)
-        _, loss = model(idx, tgt)
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        if use_merge:
-            if variant.startswith("block"):  # 8 sublayers in blocks of 2: 4 merges of b, and the output
-                assert merges == [1] * 5, merges  # read's of the last block
-            else:
-                assert merges and max(merges) > 1, merges
-            merges.clear()
-    assert not merges  # the comparison run took the general read
+    try:
+        for one_reader in (True, False):
+            if not one_reader:
+                monkeypatch.setattr(ops, "c_read_one_applies", lambda *a: False)
+            torch.manual_seed(0)
+            model = DecoderLM(cfg, res)
+            _, loss = model(idx, tgt)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            if one_reader:
+                sizes, plain = ONE_READER_CALLS[case]
+                assert calls, "no read ran the one-reader kernel"
+                if sizes is not None:
+                    assert [n for n, _ in calls] == sizes, calls
+                assert [p for _, p in calls] == (plain or [False] * len(calls)), calls
+                calls.clear()
+    finally:
+        kernels.set_schedule(None)
+    assert not calls  # the comparison run took the general read
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))

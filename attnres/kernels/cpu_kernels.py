@@ -4,9 +4,10 @@ CPU tensors. ops.py routes a CPU call here, so the custom operators, their autog
 readers are shared by both kernel paths. Two differences, both for the CPU's sake: the backward
 can fold the key norm's gradient into the sources' (fold_rms), and a merge's backward is given
 the read's output where the Triton backward takes the initial state (ops._setup).
-The phase-2 merges of one reader and one head have kernels of their own, csrc/depth_merge.c
-(`merge_forward`, `merge_backward`: 1/rms of the merged sources computed in the kernel), called
-by ops._CMerge in eager mode.
+Reads of one reader and one head (the phase-2 merges, and per-sublayer reads with a static or a
+per-token query) have kernels of their own, csrc/depth_read_one.c (`read_one_forward`,
+`read_one_backward`: the sources' 1/rms computed in the kernel), called by ops._CReadOne in eager
+mode.
 
 Threads (`native.threads`): a call splits its tokens into contiguous ranges, one per OpenMP
 thread, in torch's own pool (the library is built with OpenMP only where it can share torch's
@@ -49,10 +50,12 @@ _SIGNATURES = {
 }
 
 
-_MERGE_SIGNATURES = {
-    "attnres_merge_forward": [_P, _INT, _P, _P, _P, _P, _P, _INT, ctypes.c_float, _INT, _INT, _P, _INT],
-    "attnres_merge_backward": [_P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _INT, ctypes.c_float, _INT, _INT, _P, _INT],
-    "attnres_merge_max_sources": [],
+_READ_ONE_SIGNATURES = {
+    "attnres_read_one_forward": [_P, _INT, _P, _INT, _P, _P, _P, _P, _INT, ctypes.c_float, _INT, _INT, _P, _INT],
+    "attnres_read_one_backward": [
+        _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _INT, ctypes.c_float, _INT, _INT, _P, _INT,
+    ],
+    "attnres_read_one_max_sources": [],
 }
 
 
@@ -179,19 +182,19 @@ def inv_rms_backward(x: torch.Tensor, rho: torch.Tensor, grad: torch.Tensor) -> 
     return dx
 
 
-# --- the phase-2 merge of one reader, one head (csrc/depth_merge.c) ----------------------------
+# --- reads of one reader, one head (csrc/depth_read_one.c) -------------------------------------
 
 
-def merge_available(n: int) -> bool:
-    """Whether csrc/depth_merge.c is built and takes n sources."""
-    lib = native.bind("depth_merge", _MERGE_SIGNATURES)
-    return lib is not None and 0 < n <= lib.attnres_merge_max_sources()
+def read_one_available(n: int) -> bool:
+    """Whether csrc/depth_read_one.c is built and takes n sources."""
+    lib = native.bind("depth_read_one", _READ_ONE_SIGNATURES)
+    return lib is not None and 0 < n <= lib.attnres_read_one_max_sources()
 
 
 @functools.lru_cache(maxsize=64)
 def _split(N: int, k: int) -> tuple[ctypes.Array, int]:
-    """The bounds of k token ranges of whole 16-token groups (csrc/depth_merge.c's G) and their
-    count, kept: a merge runs twice per sublayer, and in a training step its Python runs with cold
+    """The bounds of k token ranges of whole 16-token groups (csrc/depth_read_one.c's G) and their
+    count, kept: a read runs once or twice per sublayer, and in a training step its Python runs with cold
     caches, where every line costs (benchmarks/RESULTS.md)."""
     per_range = -(-N // k)
     step = max(16, -(-per_range // 16) * 16)  # whole groups
@@ -199,50 +202,52 @@ def _split(N: int, k: int) -> tuple[ctypes.Array, int]:
     return (_I64 * (len(starts) + 1))(*starts, N), len(starts)
 
 
-def merge_split(N: int) -> tuple[ctypes.Array, int]:
-    """The token ranges of a merge of N tokens (one per thread, `native.threads`), for
-    merge_forward/backward: a reader takes them once for all its merges."""
+def read_one_split(N: int) -> tuple[ctypes.Array, int]:
+    """The token ranges of a read of N tokens (one per thread, `native.threads`), for
+    read_one_forward/backward: a reader takes them once for all its reads."""
     return _split(N, threads(N))
 
 
-def merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):
-    """A running read (init_out (N, d), init_lse (N, 1)) continued by the sources (each (N, d)),
-    static query (d,), one head, 1/rms of the sources computed in the kernel. Returns the
-    output (N, d) and its lse (N, 1). The caller checks merge_available(len(sources)); split:
-    merge_split(N), if the caller has it."""
-    lib = _merge_lib()
-    native.check_fp32_cpu("depth merge", *sources, query, init_out, init_lse)
-    N, d = init_out.shape
+def read_one_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):
+    """One reader, one head over the sources (each (N, d)), 1/rms of the sources computed in the
+    kernel: a running read (init_out (N, d), init_lse (N, 1)) continued by them (a phase-2 merge),
+    or with init_out = init_lse = None a plain read of them. query: (d,) static, or (N, d) per
+    token. Returns the output (N, d) and its lse (N, 1). The caller checks
+    read_one_available(len(sources)); split: read_one_split(N), if the caller has it."""
+    lib = _read_one_lib()
+    native.check_fp32_cpu("depth read (one reader)", *sources, query, init_out, init_lse)
+    N, d = sources[0].shape
     out = torch.empty(N, d, dtype=torch.float32)
     lse = torch.empty(N, 1, dtype=torch.float32)
-    bounds, k = split or merge_split(N)
-    lib.attnres_merge_forward(
-        _ptrs(sources), len(sources), query.data_ptr(), init_out.data_ptr(), init_lse.data_ptr(), out.data_ptr(),
-        lse.data_ptr(), d, eps, key_norm, sigmoid, bounds, k,
+    bounds, k = split or read_one_split(N)
+    lib.attnres_read_one_forward(
+        _ptrs(sources), len(sources), query.data_ptr(), query.dim() == 2, native.ptr(init_out), native.ptr(init_lse),
+        out.data_ptr(), lse.data_ptr(), d, eps, key_norm, sigmoid, bounds, k,
     )
     return out, lse
 
 
-def merge_backward(sources, query, out, init_lse, lse, grad_out, eps, key_norm, sigmoid, split=None):
-    """Gradients of merge_forward from its own output `out` and lse: (d_sources (a list of
-    (N, d)), d_query (d,), d_init_out (N, d), d_init_lse (N, 1)); the key norm's gradient is in
-    d_sources. Takes what merge_forward took and gave (checked there) and a contiguous fp32
-    grad_out."""
+def read_one_backward(sources, query, out, init_lse, lse, grad_out, eps, key_norm, sigmoid, split=None):
+    """Gradients of read_one_forward from its own output `out` and lse: (d_sources (a list of
+    (N, d)), d_query (shaped as query), d_init_out (N, d), d_init_lse (N, 1)), the last two None
+    for a plain read (init_lse None); the key norm's gradient is in d_sources. Takes what
+    read_one_forward took and gave (checked there) and a contiguous fp32 grad_out."""
     N, d = out.shape
     dsrc = [torch.empty(N, d, dtype=torch.float32) for _ in sources]  # base tensors (see read_backward)
-    dq = torch.empty(d, dtype=torch.float32)
-    do0 = torch.empty(N, d, dtype=torch.float32)
-    dlse0 = torch.empty(N, 1, dtype=torch.float32)
-    bounds, k = split or merge_split(N)
-    status = _merge_lib().attnres_merge_backward(
-        _ptrs(sources), len(sources), query.data_ptr(), out.data_ptr(), init_lse.data_ptr(), lse.data_ptr(),
-        grad_out.data_ptr(), _ptrs(dsrc), dq.data_ptr(), do0.data_ptr(), dlse0.data_ptr(), d, eps, key_norm,
-        sigmoid, bounds, k,
+    dq = torch.empty(query.shape, dtype=torch.float32)
+    is_merge = init_lse is not None
+    do0 = torch.empty(N, d, dtype=torch.float32) if is_merge else None
+    dlse0 = torch.empty(N, 1, dtype=torch.float32) if is_merge else None
+    bounds, k = split or read_one_split(N)
+    status = _read_one_lib().attnres_read_one_backward(
+        _ptrs(sources), len(sources), query.data_ptr(), query.dim() == 2, out.data_ptr(), native.ptr(init_lse),
+        lse.data_ptr(), grad_out.data_ptr(), _ptrs(dsrc), dq.data_ptr(), native.ptr(do0), native.ptr(dlse0), d, eps,
+        key_norm, sigmoid, bounds, k,
     )
     if status:
-        raise MemoryError("depth merge backward: out of memory for the query gradient's accumulators")
+        raise MemoryError("depth read (one reader) backward: out of memory for the query gradient's accumulators")
     return dsrc, dq, do0, dlse0
 
 
-def _merge_lib() -> ctypes.CDLL:
-    return native.require("depth_merge", _MERGE_SIGNATURES, "the CPU merges")
+def _read_one_lib() -> ctypes.CDLL:
+    return native.require("depth_read_one", _READ_ONE_SIGNATURES, "the CPU reads of one reader")

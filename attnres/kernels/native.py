@@ -49,7 +49,7 @@ FLAGS = [
 ]
 
 # Libraries whose parallel regions share torch's OpenMP threads (see the module docstring).
-OPENMP_LIBRARIES = ("depth_read", "depth_merge", "streams")
+OPENMP_LIBRARIES = ("depth_read", "depth_read_one", "streams")
 
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _errors: dict[str, str] = {}

@@ -199,16 +199,16 @@ class _CRead(torch.autograd.Function):
         return (dq.to(query.dtype), do0, dlse0, None, None, None, None, None, *dsrc, *d_rms)
 
 
-class _CMerge(torch.autograd.Function):
-    """A phase-2 merge on the C kernels in eager mode (csrc/depth_merge.c: one reader, one head,
-    static query): the running read (o0 (N, d), lse0 (N, 1)) continued by the sources, their 1/rms
-    computed in the kernel, forward and backward. Saved: the sources, the merge's own output and
-    lse (not o0, as in _CRead)."""
+class _CReadOne(torch.autograd.Function):
+    """One reader and one head on the C kernels in eager mode (csrc/depth_read_one.c), the sources'
+    1/rms computed in the kernel, forward and backward: a phase-2 merge (the running read o0
+    (N, d), lse0 (N, 1) continued by the sources) or a plain read (o0 = lse0 = None). Saved: the
+    sources, the read's own output and lse (not o0, as in _CRead)."""
 
     @staticmethod
     def forward(ctx, query, init_out, init_lse, eps, key_norm, sigmoid, split, *sources):
-        split = split or cpu_kernels.merge_split(init_out.shape[0])
-        out, lse = cpu_kernels.merge_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split)
+        split = split or cpu_kernels.read_one_split(sources[0].shape[0])
+        out, lse = cpu_kernels.read_one_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split)
         ctx.eps, ctx.key_norm, ctx.sigmoid, ctx.split = eps, key_norm, sigmoid, split
         ctx.save_for_backward(query, init_lse, out, lse, *sources)
         return out
@@ -217,26 +217,27 @@ class _CMerge(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, init_lse, out, lse, *sources = ctx.saved_tensors
         g = grad_out.contiguous() if grad_out.dtype == torch.float32 else grad_out.float().contiguous()
-        dsrc, dq, do0, dlse0 = cpu_kernels.merge_backward(
+        dsrc, dq, do0, dlse0 = cpu_kernels.read_one_backward(
             sources, query, out, init_lse, lse, g, ctx.eps, ctx.key_norm, ctx.sigmoid, ctx.split
         )
         return (dq, do0, dlse0, None, None, None, None, *dsrc)
 
 
-def c_merge_applies(x: Tensor, n: int, heads: int) -> bool:
-    """Whether `merge` runs for a merge of n sources of tensors like x: eager mode, the C kernels
-    (fp32 CPU), one head."""
+def c_read_one_applies(x: Tensor, n: int, heads: int) -> bool:
+    """Whether `read_one` runs for a read of n sources of tensors like x: eager mode, the C
+    kernels (fp32 CPU), one head."""
     return (heads == 1 and x.dtype == torch.float32 and uses_c_kernels(x) and not torch.compiler.is_compiling()
-            and cpu_kernels.merge_available(n))
+            and cpu_kernels.read_one_available(n))
 
 
-def merge(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):
-    """The phase-2 merge of one reader and one head (see _CMerge; check c_merge_applies first):
-    the same result as `read(sources, 1/rms of the sources, query, init_out, init_lse, ...)`,
-    without the sources' 1/rms as inputs. query (d,); init_out (N, d); init_lse (N, 1); split:
-    cpu_kernels.merge_split(N), which a reader can take once for all its merges (its lines cost
-    ~20 µs a call with the cold caches of a training step; the backward reuses the forward's)."""
-    return _CMerge.apply(query, init_out, init_lse, eps, key_norm, sigmoid, split, *sources)
+def read_one(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):
+    """One reader, one head (see _CReadOne; check c_read_one_applies first): the same result as
+    `read(sources, 1/rms of the sources, query, init_out, init_lse, ...)` without the sources'
+    1/rms as inputs. query (d,) static or (N, d) per token; init_out (N, d) and init_lse (N, 1)
+    for a phase-2 merge, None for a plain read; split: cpu_kernels.read_one_split(N), which a reader
+    can take once for all its reads (its lines cost ~20 µs a call with the cold caches of a
+    training step; the backward reuses the forward's)."""
+    return _CReadOne.apply(query, init_out, init_lse, eps, key_norm, sigmoid, split, *sources)
 
 
 def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms=False):

@@ -8,9 +8,10 @@ Paths:
   the gathered scores and mix the sources in place (`mix.mix`, `mix.merge_read`): no stacking.
 - `FusedReader`, the fused path (`ops.read`: the Triton kernels on CUDA, the C kernels of
   csrc/depth_read.c on CPU): per source its 1/rms once (a kernel), and each read one kernel call
-  over the list of sources, scores computed in the kernel. On the C path a one-head phase-2 merge
-  (`ops.merge`, csrc/depth_merge.c) computes the 1/rms of the sources it merges itself: the
-  partial sum changes every sublayer, so its 1/rms was a kernel call of its own.
+  over the list of sources, scores computed in the kernel. On the C path the reads of one reader
+  and one head — phase-2 merges and per-sublayer reads — run `ops.read_one` (csrc/depth_read_one.c),
+  which computes the sources' 1/rms itself; a source's 1/rms is then only computed (once) if a
+  phase-1 read or a multi-head read needs it.
 
 Schedules, for static queries with `sources="block"` or `"full"`:
 - per read: every sublayer reads all its visible sources in one read;
@@ -238,10 +239,27 @@ class FusedReader(_ReaderBase):
 
     def add(self, v: torch.Tensor) -> None:
         stored = self.stored(v)
-        # 1/rms from the value as it arrived (an fp32 embedding before a cast to bf16 storage)
+        # 1/rms from the value as it arrived (an fp32 embedding before a cast to bf16 storage); on
+        # the C path the keys are the stored fp32 values, and 1/rms waits for a read that needs it
         keys = stored if stored.dtype == torch.float32 else self.flat(v).contiguous()
-        rho = self.rms(keys) if self.res.key_norm else None
+        rho = self.rms(keys) if self.res.key_norm and not self.fold_rms else None
         self.completed.append(_Source(stored, len(self.completed), rho))
+
+    def rhos(self, sources: list[_Source]) -> list:
+        """The sources' 1/rms (None without key norm), each computed the first time it is needed."""
+        if self.res.key_norm:
+            for src in sources:
+                if src.rho is None:
+                    src.rho = self.rms(src.v)
+        return [src.rho for src in sources]
+
+    def one_reader(self, n: int) -> bool:
+        """Whether a read of n sources by one reader runs ops.read_one (and takes the reader's
+        token ranges, once)."""
+        if not (self.fold_rms and self.H == 1 and ops.c_read_one_applies(self.completed[0].v, n, 1)):
+            return False
+        self.split = self.split or ops.cpu_kernels.read_one_split(self.N)
+        return True
 
     def _op(self, sources, rhos, q, init=None, out_dtype=None, per_token=False):
         if q.dim() == 1:
@@ -258,22 +276,26 @@ class FusedReader(_ReaderBase):
             return normalise_scores(s, self.res.normaliser, dim=-1)
 
     def read_once(self, l, partial, prev_h):
-        visible = self.visible()
+        visible = list(self.visible())
         q = self.query(l, prev_h)
-        sources, rhos = [s.v for s in visible], [s.rho for s in visible]
         if partial is not None:
-            partial = self.stored(partial)
-            sources.append(partial)
-            rhos.append(self.rms(partial) if self.res.key_norm else None)
+            visible.append(_Source(self.stored(partial), -1, None))
+        sources = [s.v for s in visible]
+        if self.one_reader(len(sources)):
+            out = ops.read_one(sources, q, None, None, self.res.eps, self.res.key_norm, self.sigmoid, self.split)
+            weights = self._weights(sources, self.rhos(visible), q) if self.want_weights else None
+            return out.to(self.dtype), weights
+        rhos = self.rhos(visible)
         out, _ = self._op(sources, rhos, q, per_token=q.dim() == 2)
         return out[0], (self._weights(sources, rhos, q) if self.want_weights else None)
 
     def phase_one(self, start: int, stop: int) -> None:
         before = list(self.completed)
-        o, lse = self._op([s.v for s in before], [s.rho for s in before], self.q_all[start:stop], out_dtype=torch.float32)
+        sources, rhos = [s.v for s in before], self.rhos(before)
+        o, lse = self._op(sources, rhos, self.q_all[start:stop], out_dtype=torch.float32)
         alpha = None
         if self.want_weights:
-            alpha = [self._weights([s.v for s in before], [s.rho for s in before], self.q_all[r]) for r in range(start, stop)]
+            alpha = [self._weights(sources, rhos, self.q_all[r]) for r in range(start, stop)]
         self.phase = dict(start=start, n_before=len(before), o=list(o), lse=lse.unbind(0), alpha=alpha)
 
     def phase_two(self, l: int, extras: list[_Source]):
@@ -283,10 +305,12 @@ class FusedReader(_ReaderBase):
         if not extras:  # (on the C path each reader's phase-1 output is a tensor of its own)
             return o.to(self.dtype), weights
         us = [self.stored(src.v) for src in extras]
-        if self.fold_rms and ops.c_merge_applies(us[0], len(us), self.H):  # 1/rms in the kernel
-            self.split = self.split or ops.cpu_kernels.merge_split(self.N)
-            h = ops.merge(us, self.q_all[l], o, lse, self.res.eps, self.res.key_norm, self.sigmoid, self.split)
+        if self.one_reader(len(us)):
+            h = ops.read_one(us, self.q_all[l], o, lse, self.res.eps, self.res.key_norm, self.sigmoid, self.split)
             return h.to(self.dtype), weights
-        rhos = [src.rho if src.rho is not None or not self.res.key_norm else self.rms(u) for src, u in zip(extras, us)]
+        for src, u in zip(extras, us):
+            if self.res.key_norm and src.rho is None:
+                src.rho = self.rms(u)
+        rhos = [src.rho for src in extras]
         out, _ = self._op(us, rhos, self.q_all[l], init=(o.unsqueeze(0), lse.unsqueeze(0)))
         return out[0], weights
