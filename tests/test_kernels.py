@@ -313,7 +313,7 @@ def test_paths_trace_with_torch_compile(path, backend, variant):
     want = _run(res, x, subs, ws)
     compiled = torch.compile(res, backend="aot_eager", fullgraph=True)
     # The same kernels give the same numbers to 1e-6 (fp32); on the C path the eager merges run
-    # csrc/depth_merge.c and the traced ones the general read's custom op: fp32 rounding, 1e-5.
+    # csrc/depth_read_one.c and the traced ones the general read's custom op: fp32 rounding, 1e-5.
     tol = dict(rtol=1e-5, atol=1e-5) if backend == "cpu" else dict(rtol=1e-6, atol=1e-6)
     _compare(_run(compiled, x, subs, ws), want, tol, f"compiled {backend} path, {variant}")
     # Without grad too (an evaluation of a compiled model): Dynamo then inlines an

@@ -2,8 +2,8 @@
 
 Which path runs (`use_fused`):
 - `ATTNRES_KERNEL=auto` (default): the Triton kernels for CUDA tensors of type fp32/bf16/fp16 when
-  Triton imports; the C kernels (csrc/depth_read.c and, for one-head phase-2 merges,
-  csrc/depth_merge.c, built on first use with the system C compiler, see native.py) for fp32 CPU tensors in eager mode outside CPU autocast; the PyTorch
+  Triton imports; the C kernels (csrc/depth_read.c and, for reads of one reader and one head,
+  csrc/depth_read_one.c, built on first use with the system C compiler, see native.py) for fp32 CPU tensors in eager mode outside CPU autocast; the PyTorch
   path otherwise (float64, CPU autocast, CPU under torch.compile, no compiler, no Triton);
 - `ATTNRES_KERNEL=triton`: the Triton kernels on any device; on CPU they need TRITON_INTERPRET=1
   set before Triton is first used (that is how the tests run them without a GPU);
