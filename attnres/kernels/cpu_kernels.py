@@ -39,10 +39,9 @@ _SIGNATURES = {
     "attnres_read_backward": [
         _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _I64, _I64, _P,
     ],
-    "attnres_read_forward_ranges": [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT, _P, _I64],
+    "attnres_read_forward_ranges": [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT],
     "attnres_read_backward_ranges": [
-        _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _P, _INT, _P,
-        _I64,
+        _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _P, _INT,
     ],
     "attnres_openmp": [],
     "attnres_inv_rms_forward": [_P, _P, _I64, _INT, ctypes.c_float],
@@ -83,8 +82,16 @@ def _ranges(N: int) -> list[tuple[int, int]]:
     return [(t, min(N, t + step)) for t in range(0, N, step)]
 
 
-def _bounds(ranges) -> ctypes.Array:
-    return (_I64 * (len(ranges) + 1))(*[r[0] for r in ranges], ranges[-1][1])
+@functools.lru_cache(maxsize=64)
+def _split(N: int, k: int, group: int) -> tuple[ctypes.Array, int]:
+    """The bounds of k contiguous token ranges of whole groups of `group` tokens (the kernels'
+    tiles; the last range takes the rest) and their count, as the *_ranges entry points take
+    them; kept per shape: in a training step a call's Python runs with cold caches, where each
+    line costs (benchmarks/RESULTS.md)."""
+    per_range = -(-N // k)
+    step = max(group, -(-per_range // group) * group)
+    starts = list(range(0, N, step))
+    return (_I64 * (len(starts) + 1))(*starts, N), len(starts)
 
 
 def scratch_floats(n: int, R: int, heads: int, d: int, backward: bool) -> int:
@@ -114,31 +121,33 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
         out = torch.empty(R, N, d, dtype=torch.float32)
         outs = list(out.unbind(0))
     lse = torch.empty(R, N, heads, dtype=torch.float32)
-    src, rms, out_p = _ptrs(sources), _ptrs(inv_rms), _ptrs(outs)
-    ranges = _ranges(N)
-    floats = scratch_floats(len(sources), R, heads, d, backward=False)
-    scratch = torch.empty(len(ranges), floats, dtype=torch.float32)
-    lib.attnres_read_forward_ranges(
-        src, rms, len(sources), query.data_ptr(), int(per_token), native.ptr(init_out), native.ptr(init_lse),
-        out_p, lse.data_ptr(), N, d, heads, R, int(sigmoid), _bounds(ranges), len(ranges), scratch.data_ptr(), floats,
+    bounds, k = _split(N, threads(N), _TT)
+    status = lib.attnres_read_forward_ranges(
+        _ptrs(sources), _ptrs(inv_rms), len(sources), query.data_ptr(), per_token, native.ptr(init_out),
+        native.ptr(init_lse), _ptrs(outs), lse.data_ptr(), N, d, heads, R, sigmoid, bounds, k,
     )
+    if status:
+        raise MemoryError("depth read: out of memory for the kernel's scratch")
     if separate:
         return (outs if out_dtype == torch.float32 else [o.to(out_dtype) for o in outs]), lse
     return (out if out_dtype == torch.float32 else out.to(out_dtype)), lse
 
 
-def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token, fold_rms=False):
+def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token,
+                  fold_rms=False, check=True):
     """As triton_kernels.read_backward (d_sources a list of (N, d) tensors here), except that a
     merge passes, in the place of init_out, the read's own output (the C backward needs g·out,
     not the initial state: see csrc/depth_read.c). grad_out and that output may be (R, N, d)
     tensors or lists of R (N, d) tensors (`read_forward(separate=True)`). With fold_rms the key
-    norm's gradient is added to the sources' (d_inv_rms is None)."""
+    norm's gradient is added to the sources' (d_inv_rms is None). check=False: the caller
+    guarantees contiguous fp32 CPU tensors (ops._CRead: checked in its forward)."""
     lib = _need()
     gouts = _rows(grad_out)
     outs = _rows(init_out) if init_out is not None else None
     R, (N, d) = len(gouts), gouts[0].shape
     n = len(sources)
-    native.check_fp32_cpu("depth read backward", *sources, *inv_rms, query, *(outs or []), init_lse, lse, *gouts, grad_lse)
+    if check:
+        native.check_fp32_cpu("depth read backward", *sources, *inv_rms, query, *(outs or []), init_lse, lse, *gouts, grad_lse)
     # One tensor per source, not views of one (n, N, d) block: autograd adds a source's later
     # gradients into its first one in place only when that is a base tensor of its own.
     dsrc = [torch.empty(N, d, dtype=torch.float32) for _ in range(n)]
@@ -146,21 +155,16 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     has_init = init_out is not None
     do0 = torch.empty(R, N, d, dtype=torch.float32) if has_init else None
     dlse0 = torch.empty(R, N, heads, dtype=torch.float32) if has_init else None
-    ranges = _ranges(N)
-    dq_tok = torch.empty(N, d, dtype=torch.float32) if per_token else None
-    dq_static = None if per_token else torch.zeros(len(ranges), R, d, dtype=torch.float64)
-    floats = scratch_floats(n, R, heads, d, backward=True)
-    scratch = torch.empty(len(ranges), floats, dtype=torch.float32)
-    src, rms = _ptrs(sources), _ptrs(inv_rms)
-    dsrc_p, gout_p, out_p = _ptrs(dsrc), _ptrs(gouts), (_ptrs(outs) if outs is not None else None)
-    drms_p = _ptrs(list(drms.unbind(0))) if drms is not None else None
-    lib.attnres_read_backward_ranges(
-        src, rms, n, query.data_ptr(), int(per_token), out_p, native.ptr(init_lse), lse.data_ptr(),
-        gout_p, native.ptr(grad_lse), dsrc_p, drms_p, native.ptr(dq_tok), native.ptr(dq_static),
-        native.ptr(do0), native.ptr(dlse0), N, d, heads, R, int(sigmoid), int(fold_rms),
-        _bounds(ranges), len(ranges), scratch.data_ptr(), floats,
+    dq = torch.empty(N if per_token else R, d, dtype=torch.float32)
+    bounds, k = _split(N, threads(N), _TT)
+    status = lib.attnres_read_backward_ranges(
+        _ptrs(sources), _ptrs(inv_rms), n, query.data_ptr(), per_token, _ptrs(outs) if outs is not None else None,
+        native.ptr(init_lse), lse.data_ptr(), _ptrs(gouts), native.ptr(grad_lse), _ptrs(dsrc),
+        _ptrs(list(drms.unbind(0))) if drms is not None else None, dq.data_ptr(), native.ptr(do0), native.ptr(dlse0),
+        N, d, heads, R, sigmoid, fold_rms, bounds, k,
     )
-    dq = dq_tok if per_token else dq_static.sum(0).float()
+    if status:
+        raise MemoryError("depth read backward: out of memory for the kernel's scratch")
     return dsrc, drms, dq, do0, dlse0
 
 
@@ -191,21 +195,10 @@ def read_one_available(n: int) -> bool:
     return lib is not None and 0 < n <= lib.attnres_read_one_max_sources()
 
 
-@functools.lru_cache(maxsize=64)
-def _split(N: int, k: int) -> tuple[ctypes.Array, int]:
-    """The bounds of k token ranges of whole 16-token groups (csrc/depth_read_one.c's G) and their
-    count, kept: a read runs once or twice per sublayer, and in a training step its Python runs with cold
-    caches, where every line costs (benchmarks/RESULTS.md)."""
-    per_range = -(-N // k)
-    step = max(16, -(-per_range // 16) * 16)  # whole groups
-    starts = list(range(0, N, step))
-    return (_I64 * (len(starts) + 1))(*starts, N), len(starts)
-
-
 def read_one_split(N: int) -> tuple[ctypes.Array, int]:
     """The token ranges of a read of N tokens (one per thread, `native.threads`), for
     read_one_forward/backward: a reader takes them once for all its reads."""
-    return _split(N, threads(N))
+    return _split(N, threads(N), 16)  # groups of G = 16 tokens in csrc/depth_read_one.c
 
 
 def read_one_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):

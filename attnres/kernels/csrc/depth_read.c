@@ -788,31 +788,59 @@ int attnres_openmp(void) {
 #endif
 }
 
-/* attnres_read_forward over the k ranges [bounds[j], bounds[j + 1]), one per thread; range j uses
- * scratch + j·scratch_floats. */
+/* Scratch floats of one range (the sizes stated at attnres_read_forward/backward). */
+static i64 forward_scratch(int n, int R, int H) { return (i64)TT * (n + 3) * R * H; }
+static i64 backward_scratch(int n, int R, int H, int d) {
+    return (i64)TT * (4 * n + 4) * R * H + (i64)R * d + (i64)(TT + 2) * n * H + (i64)R * H;
+}
+
+/* attnres_read_forward over the k ranges [bounds[j], bounds[j + 1]), one per thread, each with
+ * scratch of its own (allocated here: the caller's Python allocating it cost more than the
+ * allocation, see benchmarks/RESULTS.md). Returns 0, or 1 if memory ran out. */
 int attnres_read_forward_ranges(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
                                 const float *o0, const float *lse0, float *const *out, float *lse, i64 N, int d, int H,
-                                int R, int use_sigmoid, const i64 *bounds, int k, float *scratch, i64 scratch_floats) {
+                                int R, int use_sigmoid, const i64 *bounds, int k) {
+    const i64 floats = forward_scratch(n, R, H);
+    float *scratch = malloc(sizeof(float) * (size_t)(k * floats));
+    if (!scratch) return 1;
 #pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
     for (int j = 0; j < k; j++)
         attnres_read_forward(srcs, rms, n, q, per_token, o0, lse0, out, lse, N, d, H, R, use_sigmoid, bounds[j],
-                             bounds[j + 1], scratch + j * scratch_floats);
+                             bounds[j + 1], scratch + j * floats);
+    free(scratch);
     return 0;
 }
 
-/* attnres_read_backward over the k ranges, one per thread; range j uses scratch + j·scratch_floats
- * and adds its static-query gradient into dq_static + j·R·d (the caller sums the k). */
+/* attnres_read_backward over the k ranges, one per thread, each with scratch and (static query)
+ * a double accumulator of its own; dq: per token (N, d), or static (R, d), the ranges' sums added
+ * in range order (a given thread count always gives the same result). Returns 0, or 1 if memory
+ * ran out. */
 int attnres_read_backward_ranges(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
                                  const float *const *out, const float *lse0, const float *lse, const float *const *gout,
-                                 const float *glse, float *const *dsrc, float *const *drms, float *dq_tok,
-                                 double *dq_static, float *do0, float *dlse0, i64 N, int d, int H, int R,
-                                 int use_sigmoid, int fold_rms, const i64 *bounds, int k, float *scratch,
-                                 i64 scratch_floats) {
+                                 const float *glse, float *const *dsrc, float *const *drms, float *dq, float *do0,
+                                 float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, int fold_rms,
+                                 const i64 *bounds, int k) {
+    const i64 floats = backward_scratch(n, R, H, d);
+    float *scratch = malloc(sizeof(float) * (size_t)(k * floats));
+    double *acc = per_token ? NULL : calloc((size_t)k * R * d, sizeof(double));
+    if (!scratch || (!per_token && !acc)) {
+        free(scratch);
+        free(acc);
+        return 1;
+    }
 #pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
     for (int j = 0; j < k; j++)
-        attnres_read_backward(srcs, rms, n, q, per_token, out, lse0, lse, gout, glse, dsrc, drms, dq_tok,
-                              dq_static ? dq_static + (i64)j * R * d : NULL, do0, dlse0, N, d, H, R, use_sigmoid,
-                              fold_rms, bounds[j], bounds[j + 1], scratch + j * scratch_floats);
+        attnres_read_backward(srcs, rms, n, q, per_token, out, lse0, lse, gout, glse, dsrc, drms, per_token ? dq : NULL,
+                              per_token ? NULL : acc + (i64)j * R * d, do0, dlse0, N, d, H, R, use_sigmoid, fold_rms,
+                              bounds[j], bounds[j + 1], scratch + j * floats);
+    if (!per_token)
+        for (i64 c = 0; c < (i64)R * d; c++) {
+            double sum = 0.0;
+            for (int j = 0; j < k; j++) sum += acc[(i64)j * R * d + c];
+            dq[c] = (float)sum;
+        }
+    free(scratch);
+    free(acc);
     return 0;
 }
 
