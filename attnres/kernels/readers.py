@@ -220,7 +220,7 @@ class FusedReader(_ReaderBase):
         # C kernels in eager mode: 1/rms outside autograd, its gradient folded into each read's
         # backward (ops.read); the sources are then exactly the tensors their 1/rms was taken of.
         self.fold_rms = self.c_kernels and not torch.compiler.is_compiling()
-        self.split = None  # token ranges of the C merges, taken at the first one
+        self.split = None  # token ranges of the one-reader C reads, taken at the first one
 
     def rms(self, v: torch.Tensor) -> torch.Tensor:
         return ops.inv_rms_values(v, self.res.eps) if self.fold_rms else ops.inv_rms(v, self.res.eps)
