@@ -1,4 +1,5 @@
-"""The C depth-read kernels (attnres/kernels/csrc/depth_read.c) on their own and inside a model.
+"""The C depth-read kernels (attnres/kernels/csrc/depth_read.c) on their own, and every C read
+(depth_read.c and depth_read_one.c) inside a model.
 
     python benchmarks/cpu_kernel_bench.py                      # isolated calls, the shapes below
     python benchmarks/cpu_kernel_bench.py --shapes 25,9 8,5,16 # n sources, R readers[, heads[, merge]]
@@ -8,7 +9,7 @@ Isolated: one call of the forward and of the backward kernel over N tokens, buff
 once and reused (no allocation, warm caches), best of 5 batches; GFLOP/s counts 2·N·n·R·d
 multiply-adds per direction-pass (forward 2 of them, backward 5). In a model: the default model
 (d_model 64, `model.layers=16`, batch 16 × 128, one thread) steps as in model_bench.py and every
-kernel call is timed where it happens, grouped by (direction, sources, readers, merge): what the
+kernel call is timed where it happens, grouped by (direction, kernel, sources, readers, merge): what the
 reads cost with the caches the sublayers leave behind. Prints only; one thread.
 """
 from __future__ import annotations
@@ -75,27 +76,33 @@ def isolated(n: int, R: int, H: int, merge: bool, N: int, d: int, reps: int) -> 
           f"({2 * flop / times[0] / 1e9:5.1f} GFLOP/s), backward {1e6 * times[1]:7.0f} µs ({5 * flop / times[1] / 1e9:5.1f} GFLOP/s)")
 
 
-def in_model(variant: str, steps: int) -> None:
+def in_model(variant: str, steps: int) -> dict:
     cfg = ModelConfig(max_seq_len=128, d_model=64, layers=16, n_heads=2, d_ff=192, vocab_size=256)
     g = torch.Generator().manual_seed(0)
     idx, tgt = (torch.randint(0, 256, (16, 128), generator=g) for _ in range(2))
     calls = collections.defaultdict(lambda: [0, 0.0])
 
-    def timed(name):
-        inner = getattr(cpu_kernels, name)
+    originals = {}
 
-        def wrapper(sources, inv_rms, query, init_out, *args, **kwargs):
+    def timed(name, kernel, readers, merge):
+        inner = originals[name] = getattr(cpu_kernels, name)
+
+        def wrapper(*args, **kwargs):
             t = time.perf_counter()
-            result = inner(sources, inv_rms, query, init_out, *args, **kwargs)
-            entry = calls[(name.split("_")[1], len(sources), query.shape[0], init_out is not None)]
+            result = inner(*args, **kwargs)
+            entry = calls[(name.split("_")[-1], kernel, len(args[0]), readers(args), merge(args))]
             entry[0] += 1
             entry[1] += time.perf_counter() - t
             return result
 
         setattr(cpu_kernels, name, wrapper)
 
-    timed("read_forward")
-    timed("read_backward")
+    # depth_read.c: (sources, inv_rms, query, init_out, ...); depth_read_one.c: (sources, query,
+    # init_out or the read's own output, init_lse, ...), one reader
+    timed("read_forward", "read", lambda a: a[2].shape[0], lambda a: a[3] is not None)
+    timed("read_backward", "read", lambda a: a[2].shape[0], lambda a: a[3] is not None)
+    timed("read_one_forward", "read_one", lambda a: 1, lambda a: a[2] is not None)
+    timed("read_one_backward", "read_one", lambda a: 1, lambda a: a[3] is not None)
     torch.manual_seed(0)
     model = DecoderLM(cfg, ResidualConfig(name=variant))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -106,19 +113,24 @@ def in_model(variant: str, steps: int) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
-    calls.clear()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
+    try:
+        for _ in range(3):
+            step()
+        calls.clear()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+    finally:
+        for name, inner in originals.items():
+            setattr(cpu_kernels, name, inner)
     print(f"{variant}: {1e3 * (time.perf_counter() - t) / steps:.1f} ms per training step, {steps} steps")
     total = 0.0
-    for (direction, n, R, merge), (count, seconds) in sorted(calls.items()):
+    for (direction, kernel, n, R, merge), (count, seconds) in sorted(calls.items()):
         total += seconds
-        print(f"  {direction:8s} {'merge' if merge else 'read ':5s} n={n:2d} R={R}: {count // steps:3d} per step, "
+        print(f"  {direction:8s} {kernel:8s} {'merge' if merge else 'read ':5s} n={n:2d} R={R}: {count // steps:3d} per step, "
               f"{1e6 * seconds / count:7.1f} µs a call")
     print(f"  kernels (with their Python wrappers): {1e3 * total / steps:.1f} ms per step")
+    return dict(calls)
 
 
 def main(argv=None) -> None:

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import cpu_kernel_bench  # noqa: E402
 import model_bench  # noqa: E402
 import op_bench  # noqa: E402
 
@@ -33,6 +34,21 @@ def test_op_bench_implementations_agree(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["impl"] for r in rows] == ["torch path two-phase", "reference eager"] and info["rows"] == rows
     assert all(r["max_abs_diff_vs_reference"] <= 1e-5 for r in rows)  # fp32
+
+
+def test_cpu_kernel_bench_times_every_c_read_of_a_block_model(capsys):
+    """--model block: the phase-1 reads (depth_read.c, 4 readers; the last also serves the output
+    read) and the merges (depth_read_one.c, one reader) are all seen, forward and backward, and
+    the kernels are unwrapped again afterwards."""
+    from attnres.kernels import cpu_kernels
+
+    before = cpu_kernels.read_one_forward
+    calls = cpu_kernel_bench.in_model("block", 1)
+    kinds = {(direction, kernel, merge) for direction, kernel, _, _, merge in calls}
+    assert kinds == {(d, "read", False) for d in ("forward", "backward")} | {(d, "read_one", True) for d in ("forward", "backward")}
+    assert sum(count for (_, kernel, *_), (count, _) in calls.items() if kernel == "read_one") == 2 * 25
+    assert cpu_kernels.read_one_forward is before
+    assert "kernels (with their Python wrappers)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("main, argv, message", [
