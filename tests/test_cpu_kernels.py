@@ -340,7 +340,7 @@ def test_models_read_with_the_one_reader_kernel_and_match_the_general_read(monke
     try:
         for one_reader in (True, False):
             if not one_reader:
-                monkeypatch.setattr(ops, "c_read_one_applies", lambda *a: False)
+                monkeypatch.setattr(ops, "c_read_one_sources", lambda *a: 0)
             torch.manual_seed(0)
             model = DecoderLM(cfg, res)
             _, loss = model(idx, tgt)

@@ -189,10 +189,15 @@ def inv_rms_backward(x: torch.Tensor, rho: torch.Tensor, grad: torch.Tensor) -> 
 # --- reads of one reader, one head (csrc/depth_read_one.c) -------------------------------------
 
 
+def read_one_max_sources() -> int:
+    """How many sources csrc/depth_read_one.c takes (0: it could not be built)."""
+    lib = native.bind("depth_read_one", _READ_ONE_SIGNATURES)
+    return lib.attnres_read_one_max_sources() if lib is not None else 0
+
+
 def read_one_available(n: int) -> bool:
     """Whether csrc/depth_read_one.c is built and takes n sources."""
-    lib = native.bind("depth_read_one", _READ_ONE_SIGNATURES)
-    return lib is not None and 0 < n <= lib.attnres_read_one_max_sources()
+    return 0 < n <= read_one_max_sources()
 
 
 def read_one_split(N: int) -> tuple[ctypes.Array, int]:

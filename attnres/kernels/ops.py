@@ -224,11 +224,17 @@ class _CReadOne(torch.autograd.Function):
         return (dq, do0, dlse0, None, None, None, None, *dsrc)
 
 
+def c_read_one_sources(x: Tensor, heads: int) -> int:
+    """How many sources `read_one` takes in a read of tensors like x (0: it does not run): eager
+    mode, the C kernels (fp32 CPU), one head."""
+    if heads == 1 and x.dtype == torch.float32 and uses_c_kernels(x) and not torch.compiler.is_compiling():
+        return cpu_kernels.read_one_max_sources()
+    return 0
+
+
 def c_read_one_applies(x: Tensor, n: int, heads: int) -> bool:
-    """Whether `read_one` runs for a read of n sources of tensors like x: eager mode, the C
-    kernels (fp32 CPU), one head."""
-    return (heads == 1 and x.dtype == torch.float32 and uses_c_kernels(x) and not torch.compiler.is_compiling()
-            and cpu_kernels.read_one_available(n))
+    """Whether `read_one` runs for a read of n sources of tensors like x (c_read_one_sources)."""
+    return 0 < n <= c_read_one_sources(x, heads)
 
 
 def read_one(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):

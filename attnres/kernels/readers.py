@@ -220,7 +220,7 @@ class FusedReader(_ReaderBase):
         # C kernels in eager mode: 1/rms outside autograd, its gradient folded into each read's
         # backward (ops.read); the sources are then exactly the tensors their 1/rms was taken of.
         self.fold_rms = self.c_kernels and not torch.compiler.is_compiling()
-        self.split = None  # token ranges of the one-reader C reads, taken at the first one
+        self.read_one_max, self.split = None, None  # sources ops.read_one takes, its token ranges: at the first read
 
     def rms(self, v: torch.Tensor) -> torch.Tensor:
         return ops.inv_rms_values(v, self.res.eps) if self.fold_rms else ops.inv_rms(v, self.res.eps)
@@ -254,12 +254,14 @@ class FusedReader(_ReaderBase):
         return [src.rho for src in sources]
 
     def one_reader(self, n: int) -> bool:
-        """Whether a read of n sources by one reader runs ops.read_one (and takes the reader's
-        token ranges, once)."""
-        if not (self.fold_rms and self.H == 1 and ops.c_read_one_applies(self.completed[0].v, n, 1)):
-            return False
-        self.split = self.split or ops.cpu_kernels.read_one_split(self.N)
-        return True
+        """Whether a read of n sources by one reader runs ops.read_one. Decided, with the token
+        ranges, once per reader: with the cold caches of a training step each line of a read's
+        Python costs (benchmarks/RESULTS.md)."""
+        if self.read_one_max is None:
+            self.read_one_max = ops.c_read_one_sources(self.completed[0].v, self.H) if self.fold_rms else 0
+            if self.read_one_max:
+                self.split = ops.cpu_kernels.read_one_split(self.N)
+        return 0 < n <= self.read_one_max
 
     def _op(self, sources, rhos, q, init=None, out_dtype=None, per_token=False):
         if q.dim() == 1:
