@@ -133,7 +133,7 @@ class TrackingConfig:
     # default: $MLFLOW_TRACKING_URI, else sqlite:///<project root>/mlflow.db (harness/resolvers.py)
     uri: str = "${attnres.tracking_uri:}"
     experiment: str | None = None  # null = sweep.name
-    run_name: str | None = None  # null = <variant>-<model>-s<seed>
+    run_name: str | None = None  # null = <variant>-<model>-s<seed> and the job's other overrides (job.run_label)
     parent_run_id: str | None = None  # set by the Optuna sweeper: the run becomes its child
     system_metrics: bool = False  # MLflow's CPU/GPU/memory sampler (a thread; off by default)
     log_code: bool = True  # git commit, diff and a source snapshot as artifacts

@@ -42,6 +42,7 @@ from harness import distributed, instrument, malloc, provenance
 from harness.checkpoint import RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
+from harness.identity import NOT_IDENTITY
 from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_tracking_uri, replay_folder
 from harness.train import NonFiniteLoss, StopRequested, Trainer, pruning
 
@@ -53,6 +54,23 @@ PARENT_ENV = "ATTNRES_PARENT_RUN_ID"  # set by harness.callbacks for the jobs of
 # input), 124 (timeout(1)) and 137 (SIGKILL). A launcher or batch script requeues on it.
 REQUEUE_EXIT = 75
 INTERRUPT_EXIT = 130  # Ctrl-C (128 + SIGINT, the shell's convention), after the same checkpoint
+
+
+# Overrides a default run name leaves out: what it already says (variant, model preset, seed),
+# the sweep (its parent run says it), and keys that do not change what the run computes.
+_NAMED = ("residual", "model", "train", "train.seed", "sweep")
+
+
+def run_label(c, overrides: list) -> str:
+    """The default run name: <variant>-<model>-s<seed>, then the job's other overrides that change
+    what it computes (`block-default-s0 model.layers=16 residual.block_size=2`), so that the runs
+    of a sweep over shapes tell themselves apart in `mlflow ui`."""
+    rest = []
+    for line in overrides:
+        key = line.lstrip("+~").split("=", 1)[0]
+        if key not in _NAMED and not key.startswith(NOT_IDENTITY) and not key.startswith("hydra"):
+            rest.append(line.lstrip("+"))
+    return " ".join([f"{c.residual.name}-{c.model.name}-s{c.train.seed}", *rest])
 
 
 def _hydra_mode() -> tuple[bool, str | None, list]:
@@ -147,7 +165,7 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         return _skip_failed(folder, record, multirun)
 
     state = distributed.load_everywhere(folder) if folder is not None else None  # every rank loads it
-    label = c.tracking.run_name or f"{c.residual.name}-{c.model.name}-s{c.train.seed}"
+    label = c.tracking.run_name or run_label(c, overrides)
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
     if folder is not None:
         folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,

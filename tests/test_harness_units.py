@@ -257,3 +257,21 @@ def test_run_py_sets_the_wait_policy_before_torch_is_imported():
     out = subprocess.run([sys.executable, "-c", code], cwd=checkpoint.PROJECT_ROOT, env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == ["None", "PASSIVE"]
+
+
+def test_default_run_names_carry_the_overrides_that_change_the_run():
+    """Runs of a sweep over shapes must tell themselves apart in `mlflow ui`: the default name is
+    <variant>-<model>-s<seed> and the job's other overrides that change what it computes; the
+    sweep, the seed, group choices and keys outside a run's identity (threads, progress, folders,
+    tracking) stay out."""
+    from types import SimpleNamespace
+
+    from harness.job import run_label
+
+    c = SimpleNamespace(residual=SimpleNamespace(name="block"), model=SimpleNamespace(name="default"),
+                        train=SimpleNamespace(seed=1))
+    overrides = ["+sweep=block_size", "residual=block", "model.layers=16", "train.seed=1", "residual.block_size=2",
+                 "train.threads=1", "train.progress=false", "train.checkpoint_dir=/tmp/c", "tracking.uri=sqlite:///m.db",
+                 "+optim.lr=0.01"]
+    assert run_label(c, overrides) == "block-default-s1 model.layers=16 residual.block_size=2 optim.lr=0.01"
+    assert run_label(c, []) == "block-default-s1"
