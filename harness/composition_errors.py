@@ -22,6 +22,8 @@ Design decisions:
   type, a group's options) and otherwise keeps Hydra's words on one line. It only answers for
   composition errors (Hydra's ConfigCompositionException and OverrideParseException, or an error
   of Hydra's caused by one), never for a job's own exception: a bug must keep its traceback.
+- Errors that already are one line (`exit_code` attribute: the Optuna sweeper's) are printed as
+  they are, with their exit status, without Hydra's hint after them (`exit_if_one_line`).
 - `HYDRA_FULL_ERROR=1` still gives Hydra's full traceback, for debugging.
 """
 from __future__ import annotations
@@ -57,6 +59,7 @@ def install() -> None:
                 return func()
             except Exception as error:
                 exit_if_composition_error(error)
+                exit_if_one_line(error)
                 raise
 
         return original(guarded)
@@ -71,6 +74,16 @@ def exit_if_composition_error(error: BaseException) -> None:
     if line is not None:
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def exit_if_one_line(error: BaseException) -> None:
+    """An error that is its own one-line report (it has an `exit_code`: the Optuna sweeper's bad
+    options and aborted sweeps): print it and exit with that status, without Hydra's hint about
+    HYDRA_FULL_ERROR after it; else return."""
+    code = getattr(error, "exit_code", None)
+    if isinstance(code, int) and isinstance(error, CompactHydraException) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print(f"error: {error}" if code == 2 else str(error), file=sys.stderr, flush=True)  # 2: bad input
+        sys.exit(code)
 
 
 def is_composition_error(error: BaseException | None) -> bool:

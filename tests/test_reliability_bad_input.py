@@ -55,6 +55,10 @@ CASES = {
                                           "optim.lr=interval(1e-3,1e-2)", "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
                                          "hydra.sweeper.n_trails=2: hydra.sweeper has no key 'n_trails' (did you mean "
                                          "'n_trials'?)"),
+    "an Optuna sweeper option outside what it allows": (["-m", "hydra/sweeper=attnres_optuna",
+                                                          "hydra.sweeper.sampler.name=bogus", "optim.lr=interval(1e-3,1e-2)",
+                                                          "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
+                                                         "attnres_optuna sweeper: hydra.sweeper.sampler.name='bogus' is not one of"),
 }
 
 

@@ -111,3 +111,16 @@ def test_a_stopped_multirun_ends_its_parent_killed_and_the_rerun_finishes_it(tmp
     assert parent_again.info.run_id == parent.info.run_id and parent_again.info.status == "FINISHED"
     jobs = [r for r in everything if r.data.tags.get("attnres.role") == "job"]
     assert len(jobs) == 2 and all(r.info.status == "FINISHED" for r in jobs)
+
+
+def test_ctrl_c_in_an_optuna_sweep_is_one_line_and_exit_130(tmp_path):
+    """run.py's Optuna sweep stopped by Ctrl-C: the sweeper's line alone (no Hydra hint about
+    HYDRA_FULL_ERROR after it, no traceback) and exit 130, as a stopped training run."""
+    argv = ["-m", "hydra/sweeper=attnres_optuna", *ARGS, "optim.lr=interval(1e-3,1e-2)", "hydra.sweeper.n_trials=2",
+            f"hydra.sweeper.storage=sqlite:///{tmp_path / 'optuna.db'}", "hydra.sweeper.mlflow.plots=false"]
+    proc = _start(tmp_path, argv)
+    stderr = _signal_after_first_checkpoint(proc, tmp_path, signal.SIGINT)
+    assert proc.returncode == INTERRUPT_EXIT, stderr[-3000:]
+    assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("attnres_optuna sweeper: sweep interrupted (Ctrl-C): run the same command again"), last

@@ -130,7 +130,8 @@ class SweepRunner:
             # One line instead of a traceback: stopping on request is not an error of the code.
             raise SweepAborted(
                 f"sweep interrupted ({str(interrupt) or 'Ctrl-C'}): run the same command again to "
-                "finish the remaining trials"
+                "finish the remaining trials",
+                exit_code=130,
             ) from None
         finally:
             rows = self._write_summary(plan, prefix, n_trials, storage)

@@ -26,17 +26,23 @@ DIRECTIONS = ("minimize", "maximize")
 
 
 class SweeperConfigError(CompactHydraException):
-    """A configuration the sweeper cannot run; the message is the whole story, on one line."""
+    """A configuration the sweeper cannot run; the message is the whole story, on one line.
+    `exit_code`: where the app reports such errors itself (run.py, harness.composition_errors),
+    the line alone and this exit status, the harness's for bad input."""
+
+    exit_code = 2
 
     def __init__(self, message: str) -> None:
         super().__init__(f"attnres_optuna sweeper: {message}")
 
 
 class SweepAborted(CompactHydraException):
-    """The sweep stopped on purpose (too many failed trials, an unusable objective)."""
+    """The sweep stopped on purpose (too many failed trials, an unusable objective: exit status 1;
+    Ctrl-C or SIGTERM: 130, as a stopped training run)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(f"attnres_optuna sweeper: {message}")
+        self.exit_code = exit_code
 
 
 @dataclass
