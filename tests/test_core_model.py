@@ -220,3 +220,29 @@ def test_core_imports_torch_only():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"attnres imported {out.stdout.strip()}"
+
+
+def test_rope_rotates_each_pair_of_halves_and_depends_on_relative_position_only():
+    """apply_rope with rope_tables: bit for bit the pairwise rotation (x1·cos − x2·sin,
+    x2·cos + x1·sin) of the two halves of each head (fp32 and fp64, exact); and a query-key
+    product depends only on the distance between the two positions (fp64, to 1e-12)."""
+    from attnres.layers import apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    T, H, hd = 12, 3, 8
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(2, T, H, hd, generator=g, dtype=dtype)
+        cos, sin = rope_tables(T, hd, 10000.0, "cpu", dtype)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        angles = torch.outer(torch.arange(T, dtype=torch.float64), inv)
+        c, s = angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+        x1, x2 = x.chunk(2, -1)
+        assert torch.equal(apply_rope(x, cos, sin), torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), -1))
+    q, k = torch.randn(hd, generator=g, dtype=torch.float64), torch.randn(hd, generator=g, dtype=torch.float64)
+    cos, sin = rope_tables(T, hd, 10000.0, "cpu", torch.float64)
+
+    def at(v, pos):
+        return apply_rope(v.expand(1, T, 1, hd), cos, sin)[0, pos, 0]
+
+    for m, n, shift in [(3, 1, 4), (7, 7, 2), (0, 5, 6)]:
+        torch.testing.assert_close(at(q, m) @ at(k, n), at(q, m + shift) @ at(k, n + shift), rtol=0, atol=1e-12)
