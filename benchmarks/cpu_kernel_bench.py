@@ -1,12 +1,13 @@
-"""The C depth-read kernels (attnres/kernels/csrc/depth_read.c) on their own, and every C read
-(depth_read.c and depth_read_one.c) inside a model.
+"""The C depth-read kernels (attnres/kernels/csrc/depth_read.c, and depth_read_one.c for one
+reader and one head) on their own, and every C read inside a model.
 
     python benchmarks/cpu_kernel_bench.py                      # isolated calls, the shapes below
     python benchmarks/cpu_kernel_bench.py --shapes 25,9 8,5,16 # n sources, R readers[, heads[, merge]]
     python benchmarks/cpu_kernel_bench.py --model block        # per-call times in training steps
 
-Isolated: one call of the forward and of the backward kernel over N tokens, buffers allocated
-once and reused (no allocation, warm caches), best of 5 batches; GFLOP/s counts 2·N·n·R·d
+Isolated: one call of the forward and of the backward kernel over N tokens, one thread, buffers
+allocated once and reused (only the kernel's own scratch is allocated, in C; warm caches), best
+of 5 batches; GFLOP/s counts 2·N·n·R·d
 multiply-adds per direction-pass (forward 2 of them, backward 5). In a model: the default model
 (d_model 64, `model.layers=16`, batch 16 × 128, one thread) steps as in model_bench.py and every
 kernel call is timed where it happens, grouped by (direction, kernel, sources, readers, merge): what the
@@ -46,34 +47,53 @@ def isolated(n: int, R: int, H: int, merge: bool, N: int, d: int, reps: int) -> 
     lse0 = torch.randn(R, N, H, generator=g) if merge else None
     out, lse, grad = torch.empty(R, N, d), torch.empty(R, N, H), torch.randn(R, N, d, generator=g)
     dsrc = [torch.empty(N, d) for _ in range(n)]
-    dq, do0, dlse0 = torch.zeros(R, d, dtype=torch.float64), torch.empty(R, N, d), torch.empty(R, N, H)
-    scratch = torch.empty(cpu_kernels.scratch_floats(n, R, H, d, backward=True))  # enough for the forward too
+    dq, do0, dlse0 = torch.empty(R, d), torch.empty(R, N, d), torch.empty(R, N, H)
     sp, rp, op, gp, dp = _ptrs(srcs), _ptrs(rms), _ptrs(list(out.unbind(0))), _ptrs(list(grad.unbind(0))), _ptrs(dsrc)
+    whole = (ctypes.c_int64 * 2)(0, N)  # one token range, on the calling thread
 
     def forward():
-        lib.attnres_read_forward(sp, rp, n, q.data_ptr(), 0, native.ptr(o0), native.ptr(lse0), op, lse.data_ptr(),
-                                 N, d, H, R, 0, 0, N, scratch.data_ptr())
+        lib.attnres_read_forward_ranges(sp, rp, n, q.data_ptr(), 0, native.ptr(o0), native.ptr(lse0), op,
+                                        lse.data_ptr(), N, d, H, R, 0, whole, 1)
 
     def backward():
-        lib.attnres_read_backward(sp, rp, n, q.data_ptr(), 0, op if merge else None, native.ptr(lse0), lse.data_ptr(), gp,
-                                  None, dp, None, None, dq.data_ptr(), native.ptr(do0 if merge else None),
-                                  native.ptr(dlse0 if merge else None), N, d, H, R, 0, 1, 0, N, scratch.data_ptr())
+        lib.attnres_read_backward_ranges(sp, rp, n, q.data_ptr(), 0, op if merge else None, native.ptr(lse0),
+                                         lse.data_ptr(), gp, None, dp, None, dq.data_ptr(),
+                                         native.ptr(do0 if merge else None), native.ptr(dlse0 if merge else None), N, d,
+                                         H, R, 0, 1, whole, 1)
 
-    times = []
-    for fn in (forward, backward):
-        for _ in range(3):
-            fn()
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            best = min(best, (time.perf_counter() - t) / reps)
-        times.append(best)
+    kernels = {"depth_read": (forward, backward)}
+    if R == 1 and H == 1:  # what the model runs for such reads: depth_read_one.c (1/rms in the kernel)
+        one = native.require("depth_read_one", cpu_kernels._READ_ONE_SIGNATURES, "the one-reader reads")
+        o0p, l0p = native.ptr(o0[0] if merge else None), native.ptr(lse0[0] if merge else None)
+        q0 = q[0].contiguous()
+
+        def one_forward():
+            one.attnres_read_one_forward(sp, n, q0.data_ptr(), 0, o0p, l0p, op[0], lse.data_ptr(), d, 1e-6, 1, 0,
+                                         whole, 1)
+
+        def one_backward():
+            one.attnres_read_one_backward(sp, n, q0.data_ptr(), 0, op[0], l0p, lse.data_ptr(), gp[0], dp,
+                                          dq.data_ptr(), native.ptr(do0 if merge else None),
+                                          native.ptr(dlse0 if merge else None), d, 1e-6, 1, 0, whole, 1)
+
+        kernels["depth_read_one"] = (one_forward, one_backward)
     flop = 2 * N * n * R * d
     kind = "merge" if merge else "read"
-    print(f"{kind:5s} n={n:2d} R={R} heads={H:2d} d={d} N={N}: forward {1e6 * times[0]:7.0f} µs "
-          f"({2 * flop / times[0] / 1e9:5.1f} GFLOP/s), backward {1e6 * times[1]:7.0f} µs ({5 * flop / times[1] / 1e9:5.1f} GFLOP/s)")
+    for name, fns in kernels.items():
+        times = []
+        for fn in fns:
+            for _ in range(3):
+                fn()
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                best = min(best, (time.perf_counter() - t) / reps)
+            times.append(best)
+        print(f"{kind:5s} n={n:2d} R={R} heads={H:2d} d={d} N={N} {name:14s}: forward {1e6 * times[0]:7.0f} µs "
+              f"({2 * flop / times[0] / 1e9:5.1f} GFLOP/s), backward {1e6 * times[1]:7.0f} µs "
+              f"({5 * flop / times[1] / 1e9:5.1f} GFLOP/s)")
 
 
 def in_model(variant: str, steps: int) -> dict:

@@ -36,6 +36,16 @@ def test_op_bench_implementations_agree(tmp_path):
     assert all(r["max_abs_diff_vs_reference"] <= 1e-5 for r in rows)  # fp32
 
 
+def test_cpu_kernel_bench_times_both_c_kernels_in_isolation(capsys):
+    """Isolated shapes: depth_read.c for every shape, and depth_read_one.c beside it for one
+    reader and one head (a merge and a plain read), at a width neither fixes at compile time."""
+    cpu_kernel_bench.main(["--shapes", "1,1,1,1", "3,1", "2,3", "--tokens", "40", "--d", "48", "--reps", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0].split()[-1] for line in lines] == [
+        "depth_read", "depth_read_one", "depth_read", "depth_read_one", "depth_read"]
+    assert all("µs" in line for line in lines)
+
+
 def test_cpu_kernel_bench_times_every_c_read_of_a_block_model(capsys):
     """--model block: the phase-1 reads (depth_read.c, 4 readers; the last also serves the output
     read) and the merges (depth_read_one.c, one reader) are all seen, forward and backward, and

@@ -35,10 +35,6 @@ _INT = ctypes.c_int
 
 
 _SIGNATURES = {
-    "attnres_read_forward": [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _I64, _I64, _P],
-    "attnres_read_backward": [
-        _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _I64, _I64, _P,
-    ],
     "attnres_read_forward_ranges": [_P, _P, _INT, _P, _INT, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _P, _INT],
     "attnres_read_backward_ranges": [
         _P, _P, _INT, _P, _INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT, _INT, _P, _INT,
@@ -92,14 +88,6 @@ def _split(N: int, k: int, group: int) -> tuple[ctypes.Array, int]:
     step = max(group, -(-per_range // group) * group)
     starts = list(range(0, N, step))
     return (_I64 * (len(starts) + 1))(*starts, N), len(starts)
-
-
-def scratch_floats(n: int, R: int, heads: int, d: int, backward: bool) -> int:
-    """Floats of scratch one call of the forward or backward kernel needs for n sources and R
-    readers (the sizes stated in csrc/depth_read.c)."""
-    if not backward:
-        return _TT * (n + 3) * R * heads
-    return _TT * (4 * n + 4) * R * heads + R * d + (_TT + 2) * n * heads + R * heads
 
 
 def _rows(x) -> list:
