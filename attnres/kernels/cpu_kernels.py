@@ -72,10 +72,10 @@ def uses_openmp() -> bool:
 
 
 def _ranges(N: int) -> list[tuple[int, int]]:
-    """Contiguous token ranges, one per thread (native.threads), whole tiles each but the last."""
-    step = -(-N // threads(N))
-    step = -(-step // _TT) * _TT
-    return [(t, min(N, t + step)) for t in range(0, N, step)]
+    """The contiguous token ranges a read of N tokens splits into, one per thread (native.threads),
+    whole tiles each but the last."""
+    bounds, k = _split(N, threads(N), _TT)
+    return [(bounds[j], bounds[j + 1]) for j in range(k)]
 
 
 @functools.lru_cache(maxsize=64)
