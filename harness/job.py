@@ -58,7 +58,7 @@ INTERRUPT_EXIT = 130  # Ctrl-C (128 + SIGINT, the shell's convention), after the
 
 # Overrides a default run name leaves out: what it already says (variant, model preset, seed),
 # the sweep (its parent run says it), and keys that do not change what the run computes.
-_NAMED = ("residual", "model", "train", "train.seed", "sweep")
+_NAMED = ("residual", "model", "train.seed", "sweep")
 
 
 def run_label(c, overrides: list) -> str:

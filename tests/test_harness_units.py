@@ -262,8 +262,8 @@ def test_run_py_sets_the_wait_policy_before_torch_is_imported():
 def test_default_run_names_carry_the_overrides_that_change_the_run():
     """Runs of a sweep over shapes must tell themselves apart in `mlflow ui`: the default name is
     <variant>-<model>-s<seed> and the job's other overrides that change what it computes; the
-    sweep, the seed, group choices and keys outside a run's identity (threads, progress, folders,
-    tracking) stay out."""
+    sweep, what the name already says, and keys outside a run's identity (threads, progress,
+    folders, tracking) stay out."""
     from types import SimpleNamespace
 
     from harness.job import run_label
@@ -272,6 +272,6 @@ def test_default_run_names_carry_the_overrides_that_change_the_run():
                         train=SimpleNamespace(seed=1))
     overrides = ["+sweep=block_size", "residual=block", "model.layers=16", "train.seed=1", "residual.block_size=2",
                  "train.threads=1", "train.progress=false", "train.checkpoint_dir=/tmp/c", "tracking.uri=sqlite:///m.db",
-                 "+optim.lr=0.01"]
-    assert run_label(c, overrides) == "block-default-s1 model.layers=16 residual.block_size=2 optim.lr=0.01"
+                 "+optim.lr=0.01", "train=gpu"]
+    assert run_label(c, overrides) == "block-default-s1 model.layers=16 residual.block_size=2 optim.lr=0.01 train=gpu"
     assert run_label(c, []) == "block-default-s1"
