@@ -183,11 +183,6 @@ def read_one_max_sources() -> int:
     return lib.attnres_read_one_max_sources() if lib is not None else 0
 
 
-def read_one_available(n: int) -> bool:
-    """Whether csrc/depth_read_one.c is built and takes n sources."""
-    return 0 < n <= read_one_max_sources()
-
-
 def read_one_split(N: int) -> tuple[ctypes.Array, int]:
     """The token ranges of a read of N tokens (one per thread, `native.threads`), for
     read_one_forward/backward: a reader takes them once for all its reads."""
@@ -199,7 +194,7 @@ def read_one_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid,
     kernel: a running read (init_out (N, d), init_lse (N, 1)) continued by them (a phase-2 merge),
     or with init_out = init_lse = None a plain read of them. query: (d,) static, or (N, d) per
     token. Returns the output (N, d) and its lse (N, 1). The caller checks
-    read_one_available(len(sources)); split: read_one_split(N), if the caller has it."""
+    len(sources) ≤ read_one_max_sources(); split: read_one_split(N), if the caller has it."""
     lib = _read_one_lib()
     native.check_fp32_cpu("depth read (one reader)", *sources, query, init_out, init_lse)
     N, d = sources[0].shape

@@ -232,13 +232,8 @@ def c_read_one_sources(x: Tensor, heads: int) -> int:
     return 0
 
 
-def c_read_one_applies(x: Tensor, n: int, heads: int) -> bool:
-    """Whether `read_one` runs for a read of n sources of tensors like x (c_read_one_sources)."""
-    return 0 < n <= c_read_one_sources(x, heads)
-
-
 def read_one(sources, query, init_out, init_lse, eps, key_norm, sigmoid, split=None):
-    """One reader, one head (see _CReadOne; check c_read_one_applies first): the same result as
+    """One reader, one head (see _CReadOne; check c_read_one_sources first): the same result as
     `read(sources, 1/rms of the sources, query, init_out, init_lse, ...)` without the sources'
     1/rms as inputs. query (d,) static or (N, d) per token; init_out (N, d) and init_lse (N, 1)
     for a phase-2 merge, None for a plain read; split: cpu_kernels.read_one_split(N), which a reader
