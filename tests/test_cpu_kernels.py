@@ -286,6 +286,18 @@ def test_the_one_reader_kernel_against_the_float64_reference(n, d, merge, per_to
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * b.abs().max().item())
 
 
+def test_the_one_reader_kernel_refuses_more_sources_than_its_tables_hold():
+    """The kernel keeps per-source tables on the stack: a call past their bound is refused with a
+    clear error, before anything is written (the readers never make one: c_read_one_sources)."""
+    cap = cpu_kernels.read_one_max_sources()
+    us = [torch.randn(20, 16) for _ in range(cap + 1)]
+    with pytest.raises(ValueError, match=f"depth read \\(one reader\\): {cap + 1} sources; allowed: 1 to {cap}"):
+        cpu_kernels.read_one_forward(us, torch.randn(16), None, None, 1e-6, True, False)
+    out, lse = cpu_kernels.read_one_forward(us[:cap], torch.randn(16), None, None, 1e-6, True, False)
+    with pytest.raises(ValueError, match=f"backward: {cap + 1} sources; allowed: 1 to {cap}"):
+        cpu_kernels.read_one_backward(us, torch.randn(16), out, None, lse, torch.randn(20, 16), 1e-6, True, False)
+
+
 def test_the_one_reader_kernel_splits_tokens_over_threads_without_changing_the_result(monkeypatch):
     """Two token ranges against one, fp32: output, lse and the per-token gradients to 1e-6; the
     query gradient (summed per group of 16 tokens in float, the two ranges' sums added in double)

@@ -193,18 +193,19 @@ def read_one_forward(sources, query, init_out, init_lse, eps, key_norm, sigmoid,
     """One reader, one head over the sources (each (N, d)), 1/rms of the sources computed in the
     kernel: a running read (init_out (N, d), init_lse (N, 1)) continued by them (a phase-2 merge),
     or with init_out = init_lse = None a plain read of them. query: (d,) static, or (N, d) per
-    token. Returns the output (N, d) and its lse (N, 1). The caller checks
-    len(sources) ≤ read_one_max_sources(); split: read_one_split(N), if the caller has it."""
+    token. Returns the output (N, d) and its lse (N, 1). 1 to read_one_max_sources() sources
+    (ValueError otherwise); split: read_one_split(N), if the caller has it."""
     lib = _read_one_lib()
     native.check_fp32_cpu("depth read (one reader)", *sources, query, init_out, init_lse)
     N, d = sources[0].shape
     out = torch.empty(N, d, dtype=torch.float32)
     lse = torch.empty(N, 1, dtype=torch.float32)
     bounds, k = split or read_one_split(N)
-    lib.attnres_read_one_forward(
+    status = lib.attnres_read_one_forward(
         _ptrs(sources), len(sources), query.data_ptr(), query.dim() == 2, native.ptr(init_out), native.ptr(init_lse),
         out.data_ptr(), lse.data_ptr(), d, eps, key_norm, sigmoid, bounds, k,
     )
+    _read_one_status(status, len(sources), "")
     return out, lse
 
 
@@ -225,9 +226,15 @@ def read_one_backward(sources, query, out, init_lse, lse, grad_out, eps, key_nor
         lse.data_ptr(), grad_out.data_ptr(), _ptrs(dsrc), dq.data_ptr(), native.ptr(do0), native.ptr(dlse0), d, eps,
         key_norm, sigmoid, bounds, k,
     )
-    if status:
-        raise MemoryError("depth read (one reader) backward: out of memory for the query gradient's accumulators")
+    _read_one_status(status, len(sources), " backward")
     return dsrc, dq, do0, dlse0
+
+
+def _read_one_status(status: int, n: int, what: str) -> None:
+    if status == 2:
+        raise ValueError(f"depth read (one reader){what}: {n} sources; allowed: 1 to {read_one_max_sources()}")
+    if status:
+        raise MemoryError(f"depth read (one reader){what}: out of memory for the query gradient's accumulators")
 
 
 def _read_one_lib() -> ctypes.CDLL:

@@ -40,7 +40,7 @@
 typedef int64_t i64;
 
 #define G 16 /* tokens per group: the lanes of pass 2 */
-#define MAX_SOURCES 64 /* bound of the per-group tables on the stack; the wrapper checks it */
+#define MAX_SOURCES 64 /* bound of the per-group tables on the stack; the entry points check it */
 
 /* Ask for a row two groups ahead: within a group the loop jumps between n + 1 tensors every
  * row, runs too short for the hardware prefetcher to follow. */
@@ -49,7 +49,7 @@ static inline void prefetch_ahead(const float *row, int d, i64 t, i64 t1) {
         for (int c = 0; c < d; c += 16) __builtin_prefetch(row + 2 * G * d + c, 0, 1);
 }
 
-static inline __attribute__((always_inline)) void merge_forward_body(
+static inline __attribute__((always_inline)) void one_forward_body(
     const float *const *u, int n, const float *restrict q, int per_token, const float *restrict o0,
     const float *restrict lse0, float *restrict out, float *restrict lse, int d, float eps, int key_norm,
     int use_sigmoid, i64 t0, i64 t1) {
@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) void merge_forward_body(
  *     du_i = α_i g + ds_i ρ_i q − ds_i s_i ρ_i² u_i / d     (the last term: the key norm's)
  *     dq = Σ_t Σ_i ds_i ρ_i u_i     do0 = α0 g     dlse0 = −Σ_i dt_i  (= α0 (g·o0 − Δ))
  */
-static inline __attribute__((always_inline)) void merge_backward_body(
+static inline __attribute__((always_inline)) void one_backward_body(
     const float *const *u, int n, const float *restrict q, int per_token, const float *restrict out,
     const float *restrict lse0, const float *restrict lse, const float *restrict g, float *const *du,
     double *restrict dq, float *restrict dq_tok, float *restrict do0, float *restrict dlse0, int d, float eps,
@@ -235,19 +235,19 @@ static inline __attribute__((always_inline)) void merge_backward_body(
     default: call(d); \
     }
 
-static void merge_forward(const float *const *u, int n, const float *q, int per_token, const float *o0, const float *lse0,
+static void one_forward(const float *const *u, int n, const float *q, int per_token, const float *o0, const float *lse0,
                           float *out, float *lse, int d, float eps, int key_norm, int use_sigmoid, i64 t0, i64 t1) {
-#define FWD(w) merge_forward_body(u, n, q, per_token, o0, lse0, out, lse, w, eps, key_norm, use_sigmoid, t0, t1)
+#define FWD(w) one_forward_body(u, n, q, per_token, o0, lse0, out, lse, w, eps, key_norm, use_sigmoid, t0, t1)
     WIDTHS(FWD)
 #undef FWD
 }
 
-static void merge_backward(const float *const *u, int n, const float *q, int per_token, const float *out,
+static void one_backward(const float *const *u, int n, const float *q, int per_token, const float *out,
                            const float *lse0, const float *lse, const float *g, float *const *du, double *dq,
                            float *dq_tok, float *do0, float *dlse0, int d, float eps, int key_norm, int use_sigmoid,
                            i64 t0, i64 t1, float *dq_group) {
 #define BWD(w)                                                                                                       \
-    merge_backward_body(u, n, q, per_token, out, lse0, lse, g, du, dq, dq_tok, do0, dlse0, w, eps, key_norm,          \
+    one_backward_body(u, n, q, per_token, out, lse0, lse, g, du, dq, dq_tok, do0, dlse0, w, eps, key_norm,          \
                         use_sigmoid, t0, t1, dq_group)
     WIDTHS(BWD)
 #undef BWD
@@ -258,23 +258,26 @@ int attnres_read_one_max_sources(void) { return MAX_SOURCES; }
 /* Forward over the k token ranges [bounds[j], bounds[j + 1]), one per OpenMP thread (where the
  * library is built with OpenMP, see native.py). u: n pointers to (N, d); q: (d) static, or (N, d)
  * per token; o0 (N, d) and lse0 (N): the running read, or both NULL (a plain read of the n
- * sources); out (N, d), lse (N). Returns 0. */
+ * sources); out (N, d), lse (N). Returns 0, or 2 if n is not in 1 .. MAX_SOURCES. */
 int attnres_read_one_forward(const float *const *u, int n, const float *q, int per_token, const float *o0,
                           const float *lse0, float *out, float *lse, int d, float eps, int key_norm, int use_sigmoid,
                           const i64 *bounds, int k) {
+    if (n < 1 || n > MAX_SOURCES) return 2;
 #pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
     for (int j = 0; j < k; j++)
-        merge_forward(u, n, q, per_token, o0, lse0, out, lse, d, eps, key_norm, use_sigmoid, bounds[j], bounds[j + 1]);
+        one_forward(u, n, q, per_token, o0, lse0, out, lse, d, eps, key_norm, use_sigmoid, bounds[j], bounds[j + 1]);
     return 0;
 }
 
 /* Backward over the k ranges; out is the read's own output, g its gradient, lse0 NULL for a plain
  * read; writes du (n pointers to (N, d)), dq ((d) static, (N, d) per token), and for a merge
- * do0 (N, d) and dlse0 (N) (else NULL). Returns 0, or 1 if memory ran out. */
+ * do0 (N, d) and dlse0 (N) (else NULL). Returns 0, 1 if memory ran out, or 2 if n is not in
+ * 1 .. MAX_SOURCES. */
 int attnres_read_one_backward(const float *const *u, int n, const float *q, int per_token, const float *out,
                            const float *lse0, const float *lse, const float *g, float *const *du, float *dq,
                            float *do0, float *dlse0, int d, float eps, int key_norm, int use_sigmoid,
                            const i64 *bounds, int k) {
+    if (n < 1 || n > MAX_SOURCES) return 2;
     double *acc = per_token ? NULL : calloc((size_t)k * d, sizeof(double));
     float *groups = per_token ? NULL : malloc(sizeof(float) * (size_t)k * d);
     if (!per_token && (!acc || !groups)) {
@@ -284,7 +287,7 @@ int attnres_read_one_backward(const float *const *u, int n, const float *q, int 
     }
 #pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
     for (int j = 0; j < k; j++)
-        merge_backward(u, n, q, per_token, out, lse0, lse, g, du, per_token ? NULL : acc + (i64)j * d,
+        one_backward(u, n, q, per_token, out, lse0, lse, g, du, per_token ? NULL : acc + (i64)j * d,
                        per_token ? dq : NULL, do0, dlse0, d, eps, key_norm, use_sigmoid, bounds[j], bounds[j + 1],
                        per_token ? NULL : groups + (i64)j * d);
     if (!per_token)
