@@ -42,7 +42,7 @@ from harness import distributed, instrument, malloc, provenance
 from harness.checkpoint import RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
-from harness.identity import NOT_IDENTITY
+from harness.identity import changes_the_run, override_key
 from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_tracking_uri, replay_folder
 from harness.train import NonFiniteLoss, StopRequested, Trainer, pruning
 
@@ -65,11 +65,7 @@ def run_label(c, overrides: list) -> str:
     """The default run name: <variant>-<model>-s<seed>, then the job's other overrides that change
     what it computes (`block-default-s0 model.layers=16 residual.block_size=2`), so that the runs
     of a sweep over shapes tell themselves apart in `mlflow ui`."""
-    rest = []
-    for line in overrides:
-        key = line.lstrip("+~").split("=", 1)[0]
-        if key not in _NAMED and not key.startswith(NOT_IDENTITY) and not key.startswith("hydra"):
-            rest.append(line.lstrip("+"))
+    rest = [line.lstrip("+") for line in overrides if changes_the_run(line) and override_key(line) not in _NAMED]
     return " ".join([f"{c.residual.name}-{c.model.name}-s{c.train.seed}", *rest])
 
 

@@ -42,7 +42,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from harness import pruning
-from harness.identity import NOT_IDENTITY
+from harness.identity import changes_the_run
 
 from . import _summary
 from ._ledger import FAILURE_ATTR, VOID_ATTR, Ledger, failure_budget, is_genuine_failure, rank
@@ -65,11 +65,9 @@ _FIXED_ATTR = "attnres.fixed_overrides"
 
 
 def _identity(fixed) -> list[str]:
-    """The fixed overrides that change what a trial computes: all but Hydra's own and those of
-    the keys the harness leaves out of a run's identity (harness.identity.NOT_IDENTITY:
-    tracking, progress, checkpoint folders, threads, ...)."""
-    keys = [(line.lstrip("+~").split("=", 1)[0], line) for line in fixed]
-    return [line for key, line in keys if not key.startswith(("hydra.", *NOT_IDENTITY))]
+    """The fixed overrides that change what a trial computes (harness.identity.changes_the_run:
+    not tracking, progress, checkpoint folders, threads, ...)."""
+    return [line for line in fixed if changes_the_run(line)]
 
 
 class SweepRunner:
@@ -240,11 +238,12 @@ class SweepRunner:
                     f"not {s.direction}: set hydra.sweeper.study_name to start a new study"
                 ) from None
             started_with = study.user_attrs.get(_FIXED_ATTR)
-            if started_with is not None and _identity(started_with) != _identity(plan.fixed):
+            before, now = _identity(started_with or []), _identity(plan.fixed)
+            if started_with is not None and before != now:
                 raise SweeperConfigError(
-                    f"study {name} was started with the overrides {_identity(started_with)}, this command "
-                    f"gives {_identity(plan.fixed)}: their trials would not be comparable; run it with the "
-                    "same overrides, or set hydra.sweeper.study_name to start a new study"
+                    f"study {name} was started with the overrides {before}, this command gives {now}: their "
+                    "trials would not be comparable; run it with the same overrides, or set "
+                    "hydra.sweeper.study_name to start a new study"
                 ) from None
             return study, False
         study.set_user_attr(_FIXED_ATTR, list(plan.fixed))
