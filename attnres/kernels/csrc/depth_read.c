@@ -292,7 +292,7 @@ static void gather_rows(const float *x, float *dst, i64 N, i64 ta, int T, int R,
  * bytes. Here 16 tokens form a group: their scores are the 16 lanes of one vector per source, the
  * softmax is a few vector operations, and each token's output (or gradient) rows are mixed in
  * registers right after their scores (mix_rows), while the group's rows are still in L1. */
-#define G 16
+#define G LANES /* vector_math.h */
 
 /* Lanes past the end of a short last group read the group's last token: they stay finite, and
  * nothing is written for them. */
@@ -301,7 +301,7 @@ static inline i64 lane_token(i64 ta, int u, int T) { return ta + (u < T ? u : T 
 static void read_one_forward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
                              const float *o0, const float *lse0, float *out, float *lse, int d, int use_sigmoid,
                              i64 t0, i64 t1, float *S /* n·G: logits, then weights */) {
-    float m[G], z[G], a0[G];
+    float m[G], a0[G];
     const float *xs[n > 0 ? n : 1];
     for (i64 ta = t0; ta < t1; ta += G) {
         const int T = (int)(t1 - ta < G ? t1 - ta : G);
@@ -321,30 +321,8 @@ static void read_one_forward(const float *const *srcs, const float *const *rms, 
         }
         if (use_sigmoid)
             for (int j = 0; j < n * G; j++) S[j] = log_sigmoid(S[j]);
-        for (int u = 0; u < G; u++) a0[u] = m[u] = o0 ? lse0[lane_token(ta, u, T)] : -INFINITY;
-        for (int i = 0; i < n; i++) {
-#pragma omp simd
-            for (int u = 0; u < G; u++) m[u] = larger(m[u], S[i * G + u]);
-        }
-#pragma omp simd
-        for (int u = 0; u < G; u++) z[u] = a0[u] = o0 ? exp_f(a0[u] - m[u]) : 0.f;
-        for (int i = 0; i < n; i++) {
-#pragma omp simd
-            for (int u = 0; u < G; u++) {
-                S[i * G + u] = exp_f(S[i * G + u] - m[u]);
-                z[u] += S[i * G + u];
-            }
-        }
-#pragma omp simd
-        for (int u = 0; u < G; u++) {
-            m[u] += log_f(z[u]);
-            z[u] = 1.f / z[u];
-            a0[u] *= z[u];
-        }
-        for (int i = 0; i < n; i++) {
-#pragma omp simd
-            for (int u = 0; u < G; u++) S[i * G + u] *= z[u];
-        }
+        for (int u = 0; u < G; u++) m[u] = o0 ? lse0[lane_token(ta, u, T)] : -INFINITY; /* then the lse */
+        lane_softmax(S, n, m, a0);
         for (int u = 0; u < T; u++) {
             const i64 t = ta + u;
             lse[t] = m[u];

@@ -39,7 +39,7 @@
 
 typedef int64_t i64;
 
-#define G 16 /* tokens per group: the lanes of pass 2 */
+#define G LANES /* tokens per group: the lanes of pass 2 (vector_math.h) */
 #define MAX_SOURCES 64 /* bound of the per-group tables on the stack; the entry points check it */
 
 /* Ask for a row two groups ahead: within a group the loop jumps between n + 1 tensors every
@@ -81,32 +81,7 @@ static inline __attribute__((always_inline)) void one_forward_body(
         }
         if (use_sigmoid) /* σ_i / (e^lse0 + Σ σ_j) = softmax over (lse0, log σ_i) */
             for (int j = 0; j < n * G; j++) S[j] = log_sigmoid(S[j]);
-        float m[G], z[G];
-#pragma omp simd
-        for (int k = 0; k < G; k++) m[k] = L[k];
-        for (int i = 0; i < n; i++) {
-#pragma omp simd
-            for (int k = 0; k < G; k++) m[k] = larger(m[k], S[i * G + k]);
-        }
-#pragma omp simd
-        for (int k = 0; k < G; k++) z[k] = A0[k] = exp_f(L[k] - m[k]);
-        for (int i = 0; i < n; i++) {
-#pragma omp simd
-            for (int k = 0; k < G; k++) {
-                S[i * G + k] = exp_f(S[i * G + k] - m[k]);
-                z[k] += S[i * G + k];
-            }
-        }
-#pragma omp simd
-        for (int k = 0; k < G; k++) {
-            L[k] = m[k] + log_f(z[k]);
-            z[k] = 1.f / z[k];
-            A0[k] *= z[k];
-        }
-        for (int i = 0; i < n; i++) {
-#pragma omp simd
-            for (int k = 0; k < G; k++) S[i * G + k] *= z[k];
-        }
+        lane_softmax(S, n, L, A0);
         for (int k = 0; k < T; k++) { /* pass 3: each output row once */
             const i64 t = ta + k;
             float *restrict y = out + t * d;

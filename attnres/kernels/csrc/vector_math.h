@@ -65,6 +65,42 @@ static inline float log_f(float x) { /* x > 0, finite */
 /* log σ(s) without overflow: min(s, 0) − log(1 + e^−|s|). */
 static inline float log_sigmoid(float s) { return smaller(s, 0.f) - log_f(1.f + exp_f(-fabsf(s))); }
 
+/* Softmax over depth with LANES tokens in the lanes of a vector (the one-reader reads of
+ * depth_read.c and depth_read_one.c): S[i·LANES + k], the logits of n sources for token k, and
+ * L[k], the logit of a running read's initial state (−∞: none), become the normalised weights
+ * (S in place, A0[k] the initial state's) and L[k] the log-sum-exp. Every loop runs over whole
+ * vectors; lanes past a short last group only need finite entries. */
+#define LANES 16
+
+static inline void lane_softmax(float *restrict S, int n, float *restrict L, float *restrict A0) {
+    float m[LANES], z[LANES];
+#pragma omp simd
+    for (int k = 0; k < LANES; k++) m[k] = L[k];
+    for (int i = 0; i < n; i++) {
+#pragma omp simd
+        for (int k = 0; k < LANES; k++) m[k] = larger(m[k], S[i * LANES + k]);
+    }
+#pragma omp simd
+    for (int k = 0; k < LANES; k++) z[k] = A0[k] = exp_f(L[k] - m[k]);
+    for (int i = 0; i < n; i++) {
+#pragma omp simd
+        for (int k = 0; k < LANES; k++) {
+            S[i * LANES + k] = exp_f(S[i * LANES + k] - m[k]);
+            z[k] += S[i * LANES + k];
+        }
+    }
+#pragma omp simd
+    for (int k = 0; k < LANES; k++) {
+        L[k] = m[k] + log_f(z[k]);
+        z[k] = 1.f / z[k];
+        A0[k] *= z[k];
+    }
+    for (int i = 0; i < n; i++) {
+#pragma omp simd
+        for (int k = 0; k < LANES; k++) S[i * LANES + k] *= z[k];
+    }
+}
+
 static inline float dot_n(const float *restrict a, const float *restrict b, int w) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
