@@ -185,13 +185,17 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         _end_on_error(tracker, folder, error)
         # Stopped on request: the run is KILLED and resumable; one line, not a traceback, and every
         # rank says where it stopped (they agree: the stop is decided collectively).
+        if isinstance(error, StopRequested) and _in_trial():
+            # In an Optuna trial the sweeper owns the interrupt: it voids the trial, says one line
+            # ("sweep interrupted (Ctrl-C)", or the signal's name) and exits 130.
+            raise KeyboardInterrupt("" if trainer.stop_reason == "SIGINT" else trainer.stop_reason) from None
         if isinstance(error, StopRequested) and trainer.stop_reason == "SIGINT":
             print(f"{label}: interrupted (Ctrl-C): {error}", file=sys.stderr, flush=True)
             raise SystemExit(INTERRUPT_EXIT) from None  # also ends a multirun
         if isinstance(error, StopRequested):
             print(f"{label}: {error} ({trainer.stop_reason}); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
             raise SystemExit(REQUEUE_EXIT) from None  # also ends a multirun: the machine is going
-        if isinstance(error, KeyboardInterrupt) and (pruning is None or pruning.current_trial() is None):
+        if isinstance(error, KeyboardInterrupt) and not _in_trial():
             # A second Ctrl-C, or one outside the training loop. (In an Optuna trial the sweeper
             # takes the interrupt: it voids the trial.)
             print(f"{label}: interrupted (Ctrl-C); rerun to resume from the last checkpoint", file=sys.stderr, flush=True)
@@ -229,10 +233,9 @@ def _skip_failed(folder: RunFolder, record: dict[str, Any], multirun: bool) -> f
 def _stop_on_signals(trainer: Trainer):
     """While training, SIGTERM and a first Ctrl-C mean "checkpoint after this step and stop"
     rather than "die now": a KeyboardInterrupt raised anywhere could land inside a write to the
-    tracking store or the checkpoint. A second Ctrl-C interrupts at once. Not inside an Optuna
-    trial: the sweeper turns both into its own interrupt (it voids the trial)."""
-    in_trial = pruning is not None and pruning.current_trial() is not None
-    if in_trial or threading.current_thread() is not threading.main_thread():
+    tracking store or the checkpoint (in an Optuna trial too: SQLAlchemy turns one caught
+    mid-commit into "database is locked"). A second Ctrl-C interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
 
@@ -260,6 +263,11 @@ def _log_model(tracker, model, plain: dict[str, Any]) -> None:
         folder = save_pretrained(model, Path(tmp) / "model", extra={"data": plain["data"], "train": plain["train"]})
         for path in sorted(folder.iterdir()):
             tracker.log_file(str(path), "model")
+
+
+def _in_trial() -> bool:
+    """Whether this job is an Optuna trial run in the sweeper's process."""
+    return pruning is not None and pruning.current_trial() is not None
 
 
 def _end_on_error(tracker, folder: RunFolder | None, error: BaseException) -> None:

@@ -115,7 +115,10 @@ def test_a_stopped_multirun_ends_its_parent_killed_and_the_rerun_finishes_it(tmp
 
 def test_ctrl_c_in_an_optuna_sweep_is_one_line_and_exit_130(tmp_path):
     """run.py's Optuna sweep stopped by Ctrl-C: the sweeper's line alone (no Hydra hint about
-    HYDRA_FULL_ERROR after it, no traceback) and exit 130, as a stopped training run."""
+    HYDRA_FULL_ERROR after it, no traceback) and exit 130, as a stopped training run. In the trial,
+    as in a plain run, the Ctrl-C is a stop request: the step ends and is checkpointed, so the
+    interrupt never lands inside an MLflow write (it once did: "database is locked"); the trial
+    is void, its MLflow run KILLED."""
     argv = ["-m", "hydra/sweeper=attnres_optuna", *ARGS, "optim.lr=interval(1e-3,1e-2)", "hydra.sweeper.n_trials=2",
             f"hydra.sweeper.storage=sqlite:///{tmp_path / 'optuna.db'}", "hydra.sweeper.mlflow.plots=false"]
     proc = _start(tmp_path, argv)
@@ -124,3 +127,11 @@ def test_ctrl_c_in_an_optuna_sweep_is_one_line_and_exit_130(tmp_path):
     assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("attnres_optuna sweeper: sweep interrupted (Ctrl-C): run the same command again"), last
+    (trial,) = [r for r in runs(tmp_path) if r.data.tags.get("attnres.role") == "trial"]
+    assert trial.info.status == "KILLED" and "interrupted (StopRequested" in trial.data.tags["attnres.failure"]
+    import torch
+
+    folder = next((tmp_path / "ckpt").rglob("run.json")).parent
+    stopped = torch.load(folder / "last.pt", weights_only=True)["step"]
+    assert metric_steps(tmp_path, trial.info.run_id, "train/loss") == list(range(1, stopped + 1))
+    assert json.loads((folder / "run.json").read_text())["status"] == "interrupted"

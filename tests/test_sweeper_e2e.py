@@ -291,6 +291,20 @@ def test_rerun_after_interrupt_finishes_the_remaining_trials_only(tmp_path):
     assert len(trials) == 7
 
 
+def test_an_interrupt_wrapped_in_a_libraries_error_is_still_an_interrupt(tmp_path):
+    """A Ctrl-C caught mid-write by a library (SQLAlchemy: "database is locked", the interrupt as
+    its context) voids the trial and stops the sweep in one line, as a plain Ctrl-C does; the
+    trial is not counted failed and no traceback is printed."""
+    first = sweep(tmp_path, "first", LR, "hydra.sweeper.n_trials=3", check=False,
+                  SWEEP_TEST_INTERRUPT_AT="2", SWEEP_TEST_INTERRUPT_WRAPPED="1")
+    assert first.returncode != 0, first.stderr[-3000:]  # (run.py makes it 130; this bare app, Hydra's 1)
+    assert "sweep interrupted (Ctrl-C): run the same command again" in first.stderr
+    assert "Traceback" not in first.stderr and "database is locked" not in first.stderr, first.stderr[-3000:]
+    trials = study(tmp_path, "test").trials
+    assert states(trials) == [TrialState.COMPLETE, TrialState.FAIL]
+    assert trials[1].user_attrs["attnres.void"] == "interrupted"
+
+
 def test_a_study_continues_only_with_the_overrides_it_started_with(tmp_path):
     """Trials of one study must be comparable: continuing it with another fixed override that
     changes what a trial computes is refused in one line before any trial; one that does not

@@ -305,6 +305,7 @@ class SweepRunner:
         try:
             with heartbeat(storage, trial_id, s.heartbeat_interval), pruning.bind(trial):
                 (job,) = self.launcher.launch([overrides], initial_job_idx=trial_id)
+                _raise_wrapped_interrupt(job)
         except BaseException as error:
             # Ctrl-C, or the launcher itself broke: not the trial's fault, so it is void and the
             # next run of the sweep runs it again.
@@ -463,6 +464,19 @@ def _outcome(job: JobReturn) -> _Outcome:
     if not math.isfinite(value):
         return _Outcome(TrialState.FAIL, failure=f"objective value is {value}")
     return _Outcome(TrialState.COMPLETE, value)
+
+
+def _raise_wrapped_interrupt(job: JobReturn) -> None:
+    """A Ctrl-C that lands inside a library call can come back as that library's error: SQLAlchemy,
+    interrupted mid-commit, raises "database is locked" with the KeyboardInterrupt as its context.
+    It is still the user's interrupt, not the trial's failure: raise it again, as a KeyboardInterrupt."""
+    error = job._return_value if job.status != JobStatus.COMPLETED else None
+    seen: set[int] = set()
+    while isinstance(error, BaseException) and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            raise KeyboardInterrupt(*error.args) from None
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
 
 
 def _sample_value(distribution: Any) -> Any:

@@ -4,7 +4,9 @@ Its validation loss at eval k is 1 + (log10(lr / optimum))^2 + 1/k, so the best 
 known. It reports each eval to harness.pruning, nests its MLflow run under the study's parent run,
 and on TrialPruned ends the run KILLED with the PRUNED tags and re-raises, as the harness does.
 Environment knobs for the tests: SWEEP_TEST_CALLS (a file that gets one JSON line per run),
-SWEEP_TEST_INTERRUPT_AT (send this process SIGINT at its n-th run, like a user's Ctrl-C),
+SWEEP_TEST_INTERRUPT_AT (send this process SIGINT at its n-th run, like a user's Ctrl-C;
+with SWEEP_TEST_INTERRUPT_WRAPPED=1 the interrupt comes back wrapped in another error, as from a
+library that caught it mid-write),
 SWEEP_TEST_SLEEP (seconds per run, in place of train.sleep: one worker slow, same overrides) and
 SWEEP_TEST_BARRIER=<folder>:<n> (the first run of each process waits until n processes have
 started one, so that parallel workers provably overlap however slowly each one starts).
@@ -75,6 +77,11 @@ def main(cfg: DictConfig) -> float:
                 + "\n"
             )
     if os.environ.get("SWEEP_TEST_INTERRUPT_AT") == str(_runs_in_this_process):
+        if os.environ.get("SWEEP_TEST_INTERRUPT_WRAPPED"):
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise RuntimeError("database is locked")  # noqa: B904 (as SQLAlchemy's, implicit context)
         os.kill(os.getpid(), signal.SIGINT)
     if os.environ.get("SWEEP_TEST_BARRIER") and _runs_in_this_process == 1:
         _wait_for_peers(os.environ["SWEEP_TEST_BARRIER"])
