@@ -22,9 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import openmp  # noqa: E402
+
+openmp.set_wait_policy()  # as run.py trains: before torch loads OpenMP (a short spin; harness/openmp.py)
+import torch  # noqa: E402
 
 from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
 from attnres.kernels import cpu_kernels, native  # noqa: E402

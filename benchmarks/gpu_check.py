@@ -1,15 +1,20 @@
 """Correctness of the Triton kernels on a real GPU (the CPU tests run them under the interpreter).
 
     python benchmarks/gpu_check.py          # needs CUDA and Triton; exits non-zero on a mismatch
+    python benchmarks/gpu_check.py --full   # every combination of the read's knobs (4x the kernels)
     python benchmarks/gpu_check.py --smoke  # the same checks, small, on CPU under Triton's interpreter
 
-Checks, on CUDA tensors: one read and its gradients against `attnres.depth_read` for every knob
-(key norm, softmax/sigmoid, per-token query, heads, a non-power-of-2 width) in fp32 and bf16; the
-two-phase schedule against one read per sublayer for Block (with a remainder) and Full; a bf16
-autocast training step of a small model through the kernels against the PyTorch path.
+Checks, on CUDA tensors: one read and its gradients against `attnres.depth_read` in fp32 and bf16
+for the read's knobs (key norm, softmax/sigmoid, per-token query, heads, a non-power-of-2 width):
+by default 8 cases per dtype that hold every pair of knob values at least once (each case compiles
+its own kernels, and a lent GPU's minutes are few), with --full all 32; the two-phase schedule
+against one read per sublayer for Block (with a remainder) and Full; a bf16 autocast training step
+of a small model through the kernels against the PyTorch path.
 """
 from __future__ import annotations
 
+import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -32,37 +37,55 @@ def close(name, got, want, tol):
     return ok
 
 
-def main() -> int:
+SHAPES = ((256, 1), (256, 8), (896, 1), (896, 14))  # (d, heads): 896 and 896/14 = 64 not powers of 2
+
+
+def read_cases(full: bool) -> list[tuple]:
+    """(shape, key_norm, normaliser, per_token) cases. Not full: two per shape, with the other knobs
+    chosen so that every pair of values of any two knobs occurs at least once (8 of 32)."""
+    if full:
+        return list(itertools.product(SHAPES, (True, False), ("softmax", "sigmoid"), (False, True)))
+    other = (("softmax", False, "sigmoid", True), ("sigmoid", True, "softmax", False),
+             ("softmax", True, "sigmoid", False), ("sigmoid", False, "softmax", True))
+    return [case for shape, (n1, p1, n2, p2) in zip(SHAPES, other)
+            for case in ((shape, True, n1, p1), (shape, False, n2, p2))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="small, on CPU under Triton's interpreter (tests the script)")
+    ap.add_argument("--full", action="store_true", help="every combination of the read's knobs (32 cases per dtype, not 8)")
+    args = ap.parse_args(argv)
     # --smoke: the same checks on CPU tensors under TRITON_INTERPRET=1, small (tests the script).
-    smoke = "--smoke" in sys.argv
-    assert kernels.triton_available() and (smoke or torch.cuda.is_available()), "needs CUDA and Triton"
+    smoke = args.smoke
+    if not kernels.triton_available():
+        ap.error("Triton is not installed (pip install triton)")
+    if not (smoke or torch.cuda.is_available()):
+        ap.error("no CUDA device here (torch.cuda.is_available() is False); allowed without one: --smoke")
     dev, ok = ("cpu" if smoke else "cuda"), True
     T = 5 if smoke else 333
     kernels.set_backend("triton" if smoke else None)
     g = torch.Generator(device="cpu").manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        for d, heads in ((256, 1), (256, 8), (896, 1), (896, 14)):
-            for key_norm in (True, False):
-                for normaliser in ("softmax", "sigmoid"):
-                    for per_token in (False, True):
-                        shape = (2, T, d)
-                        srcs = [(torch.randn(*shape, generator=g) * (1 + i)).to(dev, dtype).requires_grad_() for i in range(7)]
-                        # scores of a few units, as learned queries give (not ±√d, where both
-                        # fp32 implementations only agree to fp32 rounding of a one-hot softmax)
-                        scale = 3 / d**0.5 / (1 if key_norm else 4)
-                        q = ((torch.randn(*shape, generator=g) if per_token else torch.randn(d, generator=g)) * scale).to(dev).requires_grad_()
-                        gain = (1 + 0.2 * torch.randn(d, generator=g)).to(dev).requires_grad_()
-                        kw = dict(key_norm=key_norm, normaliser=normaliser, heads=heads)
-                        inputs = srcs + [q] + ([gain] if key_norm else [])
-                        ref = [x.detach().double().requires_grad_() for x in inputs]  # float64 reference
-                        want = depth_read(ref[len(srcs)], ref[: len(srcs)], ref[-1] if key_norm else None, **kw)
-                        got = kernels.fused_depth_read(q, srcs, gain, **kw)
-                        go = torch.randn(shape, generator=g).to(dev)
-                        gw = torch.autograd.grad(want, ref, go.double())
-                        gg = torch.autograd.grad(got.float(), inputs, go)
-                        tag = f"{str(dtype)[6:]} d={d} H={heads} kn={key_norm} {normaliser} per_token={per_token}"
-                        ok &= close(f"read {tag}", got, want, tol)
-                        ok &= close(f"grads {tag}", torch.cat([a.flatten() for a in gg]), torch.cat([b.flatten() for b in gw]), tol * 5)
+        for (d, heads), key_norm, normaliser, per_token in read_cases(args.full):
+            shape = (2, T, d)
+            srcs = [(torch.randn(*shape, generator=g) * (1 + i)).to(dev, dtype).requires_grad_() for i in range(7)]
+            # scores of a few units, as learned queries give (not ±√d, where both fp32
+            # implementations only agree to fp32 rounding of a one-hot softmax)
+            scale = 3 / d**0.5 / (1 if key_norm else 4)
+            q = ((torch.randn(*shape, generator=g) if per_token else torch.randn(d, generator=g)) * scale).to(dev).requires_grad_()
+            gain = (1 + 0.2 * torch.randn(d, generator=g)).to(dev).requires_grad_()
+            kw = dict(key_norm=key_norm, normaliser=normaliser, heads=heads)
+            inputs = srcs + [q] + ([gain] if key_norm else [])
+            ref = [x.detach().double().requires_grad_() for x in inputs]  # float64 reference
+            want = depth_read(ref[len(srcs)], ref[: len(srcs)], ref[-1] if key_norm else None, **kw)
+            got = kernels.fused_depth_read(q, srcs, gain, **kw)
+            go = torch.randn(shape, generator=g).to(dev)
+            gw = torch.autograd.grad(want, ref, go.double())
+            gg = torch.autograd.grad(got.float(), inputs, go)
+            tag = f"{str(dtype)[6:]} d={d} H={heads} kn={key_norm} {normaliser} per_token={per_token}"
+            ok &= close(f"read {tag}", got, want, tol)
+            ok &= close(f"grads {tag}", torch.cat([a.flatten() for a in gg]), torch.cat([b.flatten() for b in gw]), tol * 5)
     # Schedules on the module, fp32.
     for variant, S, L in (("block", 4, 10), ("block", 1, 6), ("block_multihead", 3, 8), ("full", 4, 10), ("full_sigmoid", 4, 7)):
         res = build_residual(ResidualConfig(name=variant, block_size=S, heads=4), 64, L).to(dev)

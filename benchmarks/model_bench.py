@@ -32,14 +32,17 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import openmp  # noqa: E402
+
+openmp.set_wait_policy()  # as run.py trains: before torch loads OpenMP (a short spin; harness/openmp.py)
+import torch  # noqa: E402
 
 from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
 from attnres import kernels  # noqa: E402
@@ -199,14 +202,26 @@ def main(argv=None) -> dict:
     ratios = {v: [] for v in variants}
     cpu_times = {v: [] for v in variants}
     cpu_ratios = {v: [] for v in variants}
-    for r in range(args.rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
-        got = {v: timed(v) for v in order}
-        for v in variants:
-            times[v].append(got[v][0])
-            ratios[v].append(got[v][0] / got["baseline"][0])
-            cpu_times[v].append(got[v][1])
-            cpu_ratios[v].append(got[v][1] / got["baseline"][1])
+    rounds = 0
+    # A time limit's SIGTERM (run_gpu.sh's stages) ends the rounds as Ctrl-C does.
+    sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        for r in range(args.rounds):
+            order = variants[r % len(variants):] + variants[: r % len(variants)]
+            got = {v: timed(v) for v in order}
+            for v in variants:
+                times[v].append(got[v][0])
+                ratios[v].append(got[v][0] / got["baseline"][0])
+                cpu_times[v].append(got[v][1])
+                cpu_ratios[v].append(got[v][1] / got["baseline"][1])
+            rounds += 1
+    except KeyboardInterrupt:  # report the rounds done
+        if rounds == 0:
+            raise
+        print(f"# interrupted: reporting the {rounds} of {args.rounds} rounds done, no memory pass", file=sys.stderr)
+        args.no_memory = True
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
 
     memory = {}
     if not args.no_memory:
@@ -238,12 +253,12 @@ def main(argv=None) -> dict:
         rows.append(row)
 
     info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
-                seq_len=seq_len, rounds=args.rounds, warmup=args.warmup, compile=args.compile,
+                seq_len=seq_len, rounds=rounds, warmup=args.warmup, compile=args.compile,
                 autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
                 keep_freed_memory=kept, rows=rows)
     print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
           f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "
-          f"{args.rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}")
+          f"{rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}")
     cpu_cols = f" {'cpu ms':>8s} {'cpu ratio':>9s} {'(IQR)':>15s}" if not cuda else ""
     print(f"{'variant':18s} {'step ms':>9s} {'time ratio':>10s} {'(IQR)':>15s}{cpu_cols} {'peak MiB':>9s} {'mem ratio':>9s}")
     for row in rows:

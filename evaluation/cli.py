@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks, e.g. hellaswag,lambada_openai,wikitext")
     p.add_argument("--probe", action="store_true", help="multi-hop probe accuracy per hop count")
     p.add_argument("--skip-heldout", action="store_true", help="do not compute held-out loss / bits per byte")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else MLflow's)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else run.py's <project root>/mlflow.db)")
     p.add_argument("--log-to", default=None, metavar="RUN_ID", help="log into this run (for a checkpoint folder)")
     p.add_argument("--no-log", action="store_true", help="do not log anything to MLflow")
     p.add_argument("--output", default=None, help="also write all results to this JSON file")

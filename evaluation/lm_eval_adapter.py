@@ -79,8 +79,10 @@ class AttnResLM(TemplateLM):
                 model = model.to(device)
         else:
             from attnres.io import load
+            from harness.resolvers import default_tracking_uri
 
-            model, config = load(str(pretrained), device=device, tracking_uri=tracking_uri)
+            # A run id is read from run.py's store wherever lm_eval starts (not ./mlflow.db).
+            model, config = load(str(pretrained), device=device, tracking_uri=tracking_uri or default_tracking_uri())
         self.model = model.eval()
         self.config = config
         self._device = next(model.parameters()).device

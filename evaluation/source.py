@@ -10,11 +10,14 @@ Design decisions:
   stderr. `--data key=value` overrides any field, for a checkpoint whose data lives elsewhere.
 - Results go to the run named on the command line, or to `--log-to RUN_ID` for a folder; a folder
   alone is evaluated without logging.
+- Runs are read from the store run.py writes to (harness.resolvers.default_tracking_uri:
+  $MLFLOW_TRACKING_URI, else <project root>/mlflow.db), wherever the command starts, not from
+  MLflow's own default in the working folder; a SQLite store that does not exist is one line,
+  not an empty database left behind.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from attnres.io import CheckpointError, load, parse_run_reference
+from harness.resolvers import absolute_sqlite, default_tracking_uri
 
 
 @dataclass
@@ -35,13 +39,19 @@ class Source:
 
 def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_to: Optional[str] = None) -> Source:
     """Load the checkpoint or run `arg`; raise CheckpointError with one line if it cannot be."""
-    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    tracking_uri = absolute_sqlite(tracking_uri) if tracking_uri else default_tracking_uri()
     if log_to is not None and parse_run_reference(log_to) is None:
         raise CheckpointError(f"--log-to {log_to!r}: not an MLflow run id (32 hex characters)")
     run = None if Path(arg).expanduser().exists() else parse_run_reference(arg)
-    if (run or log_to) and tracking_uri:
-        from harness.tracking import prepare_server
+    if run or log_to:
+        from harness.tracking import prepare_server, sqlite_path
 
+        db = sqlite_path(tracking_uri)
+        if db is not None and not db.exists():
+            raise CheckpointError(
+                f"run {(run or parse_run_reference(log_to))[0]}: no MLflow store at {tracking_uri} (no such file); "
+                "allowed: --tracking-uri or $MLFLOW_TRACKING_URI naming the store the run was logged to "
+                "(run.py's default: <project root>/mlflow.db)")
         # A server that does not answer: one line now, not minutes of MLflow's retries.
         prepare_server(tracking_uri, option="--tracking-uri ")
     model, config = load(arg, device=device, tracking_uri=tracking_uri)
