@@ -195,16 +195,25 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - t, time.process_time() - c
 
-    for v in variants:
-        for _ in range(args.warmup):
-            timed(v)
+    # A time limit's SIGTERM (run_gpu.sh's stages) stops the bench as Ctrl-C does.
+    sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    warmup_s = {}
+    for v in variants:  # with --compile, the first step compiles: its time says what a budget needs
+        t = time.perf_counter()
+        try:
+            for _ in range(args.warmup):
+                timed(v)
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGTERM, sigterm)
+            print(f"model_bench: interrupted in the warm-up of {v} after {time.perf_counter() - t:.0f} s "
+                  f"(warm-ups done: {warmup_s}); no rounds to report", file=sys.stderr)
+            raise SystemExit(130) from None
+        warmup_s[v] = round(time.perf_counter() - t, 2)
     times = {v: [] for v in variants}
     ratios = {v: [] for v in variants}
     cpu_times = {v: [] for v in variants}
     cpu_ratios = {v: [] for v in variants}
     rounds = 0
-    # A time limit's SIGTERM (run_gpu.sh's stages) ends the rounds as Ctrl-C does.
-    sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         for r in range(args.rounds):
             order = variants[r % len(variants):] + variants[: r % len(variants)]
@@ -217,7 +226,8 @@ def main(argv=None) -> dict:
             rounds += 1
     except KeyboardInterrupt:  # report the rounds done
         if rounds == 0:
-            raise
+            print("model_bench: interrupted in the first round; no rounds to report", file=sys.stderr)
+            raise SystemExit(130) from None
         print(f"# interrupted: reporting the {rounds} of {args.rounds} rounds done, no memory pass", file=sys.stderr)
         args.no_memory = True
     finally:
@@ -253,12 +263,12 @@ def main(argv=None) -> dict:
         rows.append(row)
 
     info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
-                seq_len=seq_len, rounds=rounds, warmup=args.warmup, compile=args.compile,
+                seq_len=seq_len, rounds=rounds, warmup=args.warmup, warmup_seconds=warmup_s, compile=args.compile,
                 autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
                 keep_freed_memory=kept, rows=rows)
     print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
           f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "
-          f"{rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}")
+          f"{rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}; warm-up s {warmup_s}")
     cpu_cols = f" {'cpu ms':>8s} {'cpu ratio':>9s} {'(IQR)':>15s}" if not cuda else ""
     print(f"{'variant':18s} {'step ms':>9s} {'time ratio':>10s} {'(IQR)':>15s}{cpu_cols} {'peak MiB':>9s} {'mem ratio':>9s}")
     for row in rows:

@@ -57,6 +57,27 @@ def test_model_bench_stopped_mid_run_reports_the_rounds_it_finished(tmp_path, mo
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_model_bench_stopped_in_its_warm_up_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """Stopped while compiling (the warm-up), there is nothing to report: one line naming the
+    variant, exit 130, no JSON."""
+    import signal
+
+    import torch
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", interrupted)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        model_bench.main(["--variants", "block", "--layers", "2", "--batch", "2", "--seq-len", "16",
+                          "--threads", "1", "--json", str(tmp_path / "mb.json")])
+    assert stop.value.code == 130 and not (tmp_path / "mb.json").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("model_bench: interrupted in the warm-up of baseline after "), err
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_run_gpu_without_a_gpu_says_so_in_one_line(tmp_path):
     import subprocess
 

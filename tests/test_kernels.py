@@ -79,6 +79,30 @@ def test_kernel_read_and_gradients_match_reference(path, backend, key_norm, norm
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"gradient of the {name}: {m}")
 
 
+@needs_triton
+@pytest.mark.parametrize("variant", ["block", "block_multihead", "full_input_query"])
+def test_triton_backward_programs_walking_several_row_tiles(path, monkeypatch, variant):
+    """On a GPU the backward runs a few programs per SM, each over many row tiles, and sums a
+    static query's gradient over its tiles in its own slice. Under the interpreter tiles are large;
+    with 2-row tiles the 3 programs walk up to 5 tiles each (uneven last ones). Outputs and
+    gradients of the two-phase schedule (1 and 3 readers, 1 and 4 heads, a per-token query) equal
+    those with one large tile to 1e-6 (fp32: only the order of the query-gradient sum changes)
+    and the PyTorch path's to 1e-4."""
+    from attnres.kernels import triton_kernels
+
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    subs, ws = _sublayers(8)
+    res = _module(variant, 8, block_size=3)
+    path("torch", "per_read")
+    want = _run(res, x, subs, ws)
+    path("triton", "two_phase")
+    one_tile = _run(res, x, subs, ws)
+    monkeypatch.setattr(triton_kernels, "_tiles", lambda r_pad, w_pad, backward=False: (2, 4))
+    walked = _run(res, x, subs, ws)
+    _compare(walked, one_tile, dict(rtol=1e-6, atol=1e-6), f"{variant}, 2-row tiles vs one tile")
+    _compare(walked, want, TOL, f"{variant}, 2-row tiles vs the PyTorch path")
+
+
 @pytest.mark.parametrize("backend", FUSED)
 def test_kernel_single_source_and_long_source_list(path, backend):
     path(backend)
@@ -320,6 +344,13 @@ def test_paths_trace_with_torch_compile(path, backend, variant):
     # autograd.Function's forward, and once read its arguments shifted by one (a graph break).
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, subs), want[0], **tol)
+
+
+def test_the_pointer_table_reads_stay_out_of_cuda_graphs():
+    """The read ops copy a host-built pointer table at each call, which a CUDA graph cannot
+    capture: they carry the tag that makes torch.compile's CUDA-graph modes leave them out."""
+    for op in (torch.ops.attnres.depth_read.default, torch.ops.attnres.depth_read_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op
 
 
 def test_core_imports_and_trains_without_triton():

@@ -36,7 +36,12 @@ def _kernels(t: Tensor):
     return triton_kernels
 
 
-@torch.library.custom_op("attnres::depth_read", mutates_args=())
+# The reads copy a table of source pointers to the device at each call, which a CUDA graph cannot
+# capture: torch.compile's CUDA-graph modes run these ops outside their graphs (where the tag exists).
+_POINTER_TABLE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("attnres::depth_read", mutates_args=(), tags=_POINTER_TABLE)
 def depth_read_op(
     sources: list[Tensor],
     inv_rms: list[Tensor],
@@ -65,7 +70,7 @@ def _(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, ou
     return ref.new_empty(R, N, d, dtype=out_dtype), ref.new_empty(R, N, heads, dtype=torch.float32)
 
 
-@torch.library.custom_op("attnres::depth_read_backward", mutates_args=())
+@torch.library.custom_op("attnres::depth_read_backward", mutates_args=(), tags=_POINTER_TABLE)
 def depth_read_backward_op(
     sources: list[Tensor],
     inv_rms: list[Tensor],

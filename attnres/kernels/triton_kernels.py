@@ -76,6 +76,7 @@ def _read_fwd_kernel(
     n_src, n_rows, reader_stride, d, H, W,
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -107,6 +108,8 @@ def _read_fwd_kernel(
 
     for i in range(n_src):
         src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
+        if ALIGNED:  # a pointer from the table carries no alignment: without this, 2-byte loads
+            src = tl.multiple_of(src, 16)
         v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)  # read once for all readers
         s = _sum(q * v[None, :, :], 2)
         if KEY_NORM:
@@ -130,10 +133,10 @@ def _read_fwd_kernel(
 def _read_bwd_kernel(
     src_table, rms_table, src0, q_ptr, o0_ptr, lse0_ptr, lse_ptr, gout_ptr, glse_ptr,
     dsrc_ptr, drms_ptr, dq_ptr, do0_ptr, dlse0_ptr, scratch_ptr,
-    n_src, n_rows, reader_stride, d, H, W,
+    n_src, n_rows, n_tiles, reader_stride, d, H, W,
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
-    HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr,
+    HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     # dL/dt_i = α_i (B_i − Δ) with B_i = g·v_i and Δ = Σ_i α_i B_i − g_lse. Δ is accumulated here
     # in fp32 from the sources rather than taken as g·out from the stored output, which may be
@@ -144,106 +147,115 @@ def _read_bwd_kernel(
     # (updated Welford-style, so that P never holds the large cancelling terms Σ c B v and Δ·Σ c v)
     # and Q = Σ c_i v_i; then dq = P + (m − Δ)·Q. Pass 2 writes each source's gradient from the
     # scalars, g and q (no read of v).
+    # Each program walks row tiles pid, pid + P, … (P programs, a few per SM): a static query's
+    # gradient is summed over its tiles in its own slice of dq, so the partial sums the wrapper
+    # adds up are P, not one per tile (16k of them at BLOCK_T = 1 and d = 2048).
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, W_PAD)
     readers = tl.arange(0, R_PAD)
-    row_ok = rows < n_rows
-    tile = rows[:, None].to(tl.int64) * W + cols[None, :]
-    tile_ok = row_ok[:, None] & (cols < W)[None, :]
-    tokens = rows // H
-    state = readers[:, None, None].to(tl.int64) * reader_stride + tile[None, :, :]
-    state_ok = (readers < R)[:, None, None] & tile_ok[None, :, :]
-    row_state = readers[:, None].to(tl.int64) * n_rows + rows[None, :]
-    row_state_ok = (readers < R)[:, None] & row_ok[None, :]
-    # scratch (n, 3, R_PAD, n_rows): α, B, q·v of every source for this program's rows
-    plane = R_PAD * n_rows
-    scr = readers[:, None].to(tl.int64) * n_rows + rows[None, :]
+    for tile_id in range(pid, n_tiles, tl.num_programs(0)):
+        rows = tile_id * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < n_rows
+        tile = rows[:, None].to(tl.int64) * W + cols[None, :]
+        tile_ok = row_ok[:, None] & (cols < W)[None, :]
+        tokens = rows // H
+        state = readers[:, None, None].to(tl.int64) * reader_stride + tile[None, :, :]
+        state_ok = (readers < R)[:, None, None] & tile_ok[None, :, :]
+        row_state = readers[:, None].to(tl.int64) * n_rows + rows[None, :]
+        row_state_ok = (readers < R)[:, None] & row_ok[None, :]
+        # scratch (n, 3, R_PAD, n_rows): α, B, q·v of every source for this program's rows
+        plane = R_PAD * n_rows
+        scr = readers[:, None].to(tl.int64) * n_rows + rows[None, :]
 
-    if PER_TOKEN:
-        q = tl.load(q_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)[None, :, :]
-    else:
-        q_off = readers[:, None, None] * d + ((rows % H) * W)[None, :, None] + cols[None, None, :]
-        q = tl.load(q_ptr + q_off, mask=state_ok, other=0.0).to(tl.float32)
-
-    g = tl.load(gout_ptr + state, mask=state_ok, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + row_state, mask=row_state_ok, other=0.0)
-    delta = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
-    if HAS_INIT:
-        o0 = tl.load(o0_ptr + state, mask=state_ok, other=0.0).to(tl.float32)
-        a0 = tl.exp(tl.load(lse0_ptr + row_state, mask=row_state_ok, other=0.0) - lse)
-        b0 = _sum(g * o0, 2)
-        delta += a0 * b0
-
-    acc_p = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
-    acc_q = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
-    mean = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
-    weight = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
-    scr_i = scratch_ptr
-    for i in range(n_src):
-        src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
-        v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        qv = _sum(q * v[None, :, :], 2)
-        if KEY_NORM:
-            rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
-            rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
+        if PER_TOKEN:
+            q = tl.load(q_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)[None, :, :]
         else:
-            rho = tl.full([1, BLOCK_T], 1.0, tl.float32)
-        s = qv * rho
-        if SIGMOID:
-            alpha = tl.exp(_log_sigmoid(s) - lse)
-            c = rho * alpha * _sigmoid(-s)  # d log σ(s)/ds = σ(−s)
-        else:
-            alpha = tl.exp(s - lse)
-            c = rho * alpha
-        b = _sum(g * v[None, :, :], 2)
-        delta += alpha * b
-        weight_new = weight + alpha
-        mean_new = mean + tl.where(weight_new > 0, alpha * (b - mean) / tl.maximum(weight_new, 1e-30), 0.0)
-        acc_p += (c * (b - mean_new))[:, :, None] * v[None, :, :] - (mean_new - mean)[:, :, None] * acc_q
-        acc_q += c[:, :, None] * v[None, :, :]
-        mean, weight = mean_new, weight_new
-        tl.store(scr_i + scr, alpha, mask=row_state_ok)
-        tl.store(scr_i + plane + scr, b, mask=row_state_ok)
-        tl.store(scr_i + 2 * plane + scr, qv, mask=row_state_ok)
-        scr_i += 3 * plane
-    if HAS_GLSE:
-        delta -= tl.load(glse_ptr + row_state, mask=row_state_ok, other=0.0)
-    if HAS_INIT:
-        tl.store(do0_ptr + state, (a0[:, :, None] * g).to(do0_ptr.dtype.element_ty), mask=state_ok)
-        tl.store(dlse0_ptr + row_state, a0 * (b0 - delta), mask=row_state_ok)
-    dq = acc_p + (mean - delta)[:, :, None] * acc_q
+            q_off = readers[:, None, None] * d + ((rows % H) * W)[None, :, None] + cols[None, None, :]
+            q = tl.load(q_ptr + q_off, mask=state_ok, other=0.0).to(tl.float32)
 
-    dsrc_i, drms_i, scr_i = dsrc_ptr, drms_ptr, scratch_ptr  # 64-bit pointer steps, no i·N·d product
-    for i in range(n_src):
-        alpha = tl.load(scr_i + scr, mask=row_state_ok, other=0.0)
-        b = tl.load(scr_i + plane + scr, mask=row_state_ok, other=0.0)
-        qv = tl.load(scr_i + 2 * plane + scr, mask=row_state_ok, other=0.0)
-        scr_i += 3 * plane
-        if KEY_NORM:
-            rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
-            rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
-        else:
-            rho = tl.full([1, BLOCK_T], 1.0, tl.float32)
-        ds = alpha * (b - delta)
-        if SIGMOID:
-            ds = ds * _sigmoid(-(qv * rho))
-        # value path α·g plus key path ds·ρ·q, summed over the readers: one write per source.
-        dv = _sum(alpha[:, :, None] * g + (ds * rho)[:, :, None] * q, 0)
-        tl.store(dsrc_i + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=tile_ok)
-        dsrc_i += reader_stride
-        if KEY_NORM:
-            # ∂s/∂ρ = q·v; the rms backward (shared by all readers of the source) runs once, outside.
-            tl.store(drms_i + rows, _sum(ds * qv, 0), mask=row_ok)
-            drms_i += n_rows
+        g = tl.load(gout_ptr + state, mask=state_ok, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + row_state, mask=row_state_ok, other=0.0)
+        delta = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
+        if HAS_INIT:
+            o0 = tl.load(o0_ptr + state, mask=state_ok, other=0.0).to(tl.float32)
+            a0 = tl.exp(tl.load(lse0_ptr + row_state, mask=row_state_ok, other=0.0) - lse)
+            b0 = _sum(g * o0, 2)
+            delta += a0 * b0
 
-    if PER_TOKEN:
-        tl.store(dq_ptr + tile, _sum(dq, 0), mask=tile_ok)
-    elif DQ_ROWS:
-        tl.store(dq_ptr + state, dq, mask=state_ok)  # per row; the wrapper sums rows of each head
-    else:
-        part = pid.to(tl.int64) * R_PAD * W + readers[:, None] * W + cols[None, :]
-        tl.store(dq_ptr + part, _sum(dq, 1), mask=(readers < R)[:, None] & (cols < W)[None, :])
+        acc_p = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
+        acc_q = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
+        mean = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
+        weight = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
+        scr_i = scratch_ptr
+        for i in range(n_src):
+            src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
+            if ALIGNED:
+                src = tl.multiple_of(src, 16)
+            v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            qv = _sum(q * v[None, :, :], 2)
+            if KEY_NORM:
+                rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
+                rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
+            else:
+                rho = tl.full([1, BLOCK_T], 1.0, tl.float32)
+            s = qv * rho
+            if SIGMOID:
+                alpha = tl.exp(_log_sigmoid(s) - lse)
+                c = rho * alpha * _sigmoid(-s)  # d log σ(s)/ds = σ(−s)
+            else:
+                alpha = tl.exp(s - lse)
+                c = rho * alpha
+            b = _sum(g * v[None, :, :], 2)
+            delta += alpha * b
+            weight_new = weight + alpha
+            mean_new = mean + tl.where(weight_new > 0, alpha * (b - mean) / tl.maximum(weight_new, 1e-30), 0.0)
+            acc_p += (c * (b - mean_new))[:, :, None] * v[None, :, :] - (mean_new - mean)[:, :, None] * acc_q
+            acc_q += c[:, :, None] * v[None, :, :]
+            mean, weight = mean_new, weight_new
+            tl.store(scr_i + scr, alpha, mask=row_state_ok)
+            tl.store(scr_i + plane + scr, b, mask=row_state_ok)
+            tl.store(scr_i + 2 * plane + scr, qv, mask=row_state_ok)
+            scr_i += 3 * plane
+        if HAS_GLSE:
+            delta -= tl.load(glse_ptr + row_state, mask=row_state_ok, other=0.0)
+        if HAS_INIT:
+            tl.store(do0_ptr + state, (a0[:, :, None] * g).to(do0_ptr.dtype.element_ty), mask=state_ok)
+            tl.store(dlse0_ptr + row_state, a0 * (b0 - delta), mask=row_state_ok)
+        dq = acc_p + (mean - delta)[:, :, None] * acc_q
+
+        dsrc_i, drms_i, scr_i = dsrc_ptr, drms_ptr, scratch_ptr  # 64-bit pointer steps, no i·N·d product
+        for i in range(n_src):
+            alpha = tl.load(scr_i + scr, mask=row_state_ok, other=0.0)
+            b = tl.load(scr_i + plane + scr, mask=row_state_ok, other=0.0)
+            qv = tl.load(scr_i + 2 * plane + scr, mask=row_state_ok, other=0.0)
+            scr_i += 3 * plane
+            if KEY_NORM:
+                rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
+                rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
+            else:
+                rho = tl.full([1, BLOCK_T], 1.0, tl.float32)
+            ds = alpha * (b - delta)
+            if SIGMOID:
+                ds = ds * _sigmoid(-(qv * rho))
+            # value path α·g plus key path ds·ρ·q, summed over the readers: one write per source.
+            dv = _sum(alpha[:, :, None] * g + (ds * rho)[:, :, None] * q, 0)
+            tl.store(dsrc_i + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=tile_ok)
+            dsrc_i += reader_stride
+            if KEY_NORM:
+                # ∂s/∂ρ = q·v; the rms backward (shared by all readers of the source) runs once, outside.
+                tl.store(drms_i + rows, _sum(ds * qv, 0), mask=row_ok)
+                drms_i += n_rows
+
+        if PER_TOKEN:
+            tl.store(dq_ptr + tile, _sum(dq, 0), mask=tile_ok)
+        elif DQ_ROWS:
+            tl.store(dq_ptr + state, dq, mask=state_ok)  # per row; the wrapper sums rows of each head
+        else:  # added to this program's slice (zeroed by the wrapper); the barrier orders the
+            # next tile's read of it after this store, whichever threads hold which elements
+            part = pid.to(tl.int64) * R_PAD * W + readers[:, None] * W + cols[None, :]
+            part_ok = (readers < R)[:, None] & (cols < W)[None, :]
+            tl.store(dq_ptr + part, tl.load(dq_ptr + part, mask=part_ok, other=0.0) + _sum(dq, 1), mask=part_ok)
+            tl.debug_barrier()
 
 
 @triton.jit
@@ -290,6 +302,20 @@ def _table(tensors: list[torch.Tensor], device) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)
 
 
+def _aligned(tensors: list[torch.Tensor]) -> bool:
+    """Every source starts on 16 bytes (what the caching allocator hands out; views may not), so
+    the kernels may load rows in 16-byte vectors."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _programs(n_tiles: int, device: torch.device) -> int:
+    """Programs of the backward: a few per SM on a GPU, each walking several row tiles; three
+    under the interpreter, so that the tests run that walk."""
+    if INTERPRET or device.type != "cuda":
+        return min(n_tiles, 3)
+    return min(n_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
     """sources: n (N, d) contiguous tensors of one dtype; inv_rms: n (N,) fp32 or []; query (R, d)
     or (N, d) when per_token; init_out (R, N, d), init_lse (R, N, H) fp32 or None.
@@ -311,7 +337,7 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
         src_table, rms_table, ref, query, init_out if has_init else out, init_lse if has_init else lse,
         out, lse, len(sources), n_rows, N * d, d, H, W,
         R=R, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=bool(inv_rms), SIGMOID=sigmoid,
-        PER_TOKEN=per_token, HAS_INIT=has_init, num_warps=warps,
+        PER_TOKEN=per_token, HAS_INIT=has_init, ALIGNED=_aligned(sources), num_warps=warps,
     )
     return out, lse
 
@@ -326,7 +352,8 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     r_pad, w_pad = _pow2(R), _pow2(W)
     block_t, warps = _tiles(r_pad, w_pad, backward=True)
     n_rows = N * H
-    grid = triton.cdiv(n_rows, block_t)
+    n_tiles = triton.cdiv(n_rows, block_t)
+    grid = _programs(n_tiles, device)
     key_norm = bool(inv_rms)
     dsrc = torch.empty(n, N, d, device=device, dtype=sources[0].dtype if n else grad_out.dtype)
     drms = torch.empty(n, n_rows, device=device, dtype=torch.float32) if key_norm else dsrc
@@ -336,7 +363,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     elif dq_rows:
         dq = torch.empty(R, N, d, device=device, dtype=torch.float32)
     else:
-        dq = torch.empty(grid, r_pad, W, device=device, dtype=torch.float32)
+        dq = torch.zeros(grid, r_pad, W, device=device, dtype=torch.float32)
     has_init = init_out is not None
     do0 = torch.empty(R, N, d, device=device, dtype=init_out.dtype) if has_init else grad_out
     dlse0 = torch.empty(R, N, H, device=device, dtype=torch.float32) if has_init else lse
@@ -346,10 +373,10 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     _read_bwd_kernel[(grid,)](
         src_table, rms_table, sources[0] if n else grad_out, query, init_out if has_init else grad_out,
         init_lse if has_init else lse, lse, grad_out, grad_lse if grad_lse is not None else lse,
-        dsrc, drms, dq, do0, dlse0, scratch, n, n_rows, N * d, d, H, W,
+        dsrc, drms, dq, do0, dlse0, scratch, n, n_rows, n_tiles, N * d, d, H, W,
         R=R, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
         PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
-        num_warps=warps,
+        ALIGNED=_aligned(sources), num_warps=warps,
     )
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
