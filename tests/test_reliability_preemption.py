@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from harness.job import INTERRUPT_EXIT, REQUEUE_EXIT
 from harness_testing import ROOT, TINY, isolated, metric_steps, run_cli, runs
 
@@ -113,20 +115,22 @@ def test_a_stopped_multirun_ends_its_parent_killed_and_the_rerun_finishes_it(tmp
     assert len(jobs) == 2 and all(r.info.status == "FINISHED" for r in jobs)
 
 
-def test_ctrl_c_in_an_optuna_sweep_is_one_line_and_exit_130(tmp_path):
-    """run.py's Optuna sweep stopped by Ctrl-C: the sweeper's line alone (no Hydra hint about
-    HYDRA_FULL_ERROR after it, no traceback) and exit 130, as a stopped training run. In the trial,
-    as in a plain run, the Ctrl-C is a stop request: the step ends and is checkpointed, so the
-    interrupt never lands inside an MLflow write (it once did: "database is locked"); the trial
-    is void, its MLflow run KILLED."""
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, INTERRUPT_EXIT, "Ctrl-C"),
+                                                (signal.SIGTERM, REQUEUE_EXIT, "SIGTERM")])
+def test_a_stopped_optuna_sweep_is_one_line_and_the_runs_exit_code(tmp_path, signum, code, said):
+    """run.py's Optuna sweep stopped by Ctrl-C (exit 130) or SIGTERM (75, "requeue me"), as a
+    stopped training run: the sweeper's line alone (no Hydra hint about HYDRA_FULL_ERROR after it,
+    no traceback). In the trial, as in a plain run, the signal is a stop request: the step ends
+    and is checkpointed, so the interrupt never lands inside an MLflow write (it once did:
+    "database is locked"); the trial is void, its MLflow run KILLED."""
     argv = ["-m", "hydra/sweeper=attnres_optuna", *ARGS, "optim.lr=interval(1e-3,1e-2)", "hydra.sweeper.n_trials=2",
             f"hydra.sweeper.storage=sqlite:///{tmp_path / 'optuna.db'}", "hydra.sweeper.mlflow.plots=false"]
     proc = _start(tmp_path, argv)
-    stderr = _signal_after_first_checkpoint(proc, tmp_path, signal.SIGINT)
-    assert proc.returncode == INTERRUPT_EXIT, stderr[-3000:]
+    stderr = _signal_after_first_checkpoint(proc, tmp_path, signum)
+    assert proc.returncode == code, stderr[-3000:]
     assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("attnres_optuna sweeper: sweep interrupted (Ctrl-C): run the same command again"), last
+    assert last.startswith(f"attnres_optuna sweeper: sweep interrupted ({said}): run the same command again"), last
     (trial,) = [r for r in runs(tmp_path) if r.data.tags.get("attnres.role") == "trial"]
     assert trial.info.status == "KILLED" and "interrupted (StopRequested" in trial.data.tags["attnres.failure"]
     import torch

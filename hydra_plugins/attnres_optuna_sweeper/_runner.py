@@ -57,7 +57,7 @@ from ._storage import (
 )
 from ._strategy import describe, grid_size, make_pruner, make_sampler
 from ._tracking import PARENT_ATTR, StudyTracker, end_leftover_runs, last_run_id, resolve_tracking
-from .config import AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
+from .config import INTERRUPT_EXIT, REQUEUE_EXIT, AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +126,11 @@ class SweepRunner:
                     self._run_cell(cell, plan, prefix, n_trials, storage, tracker, enqueue)
         except KeyboardInterrupt as interrupt:
             # One line instead of a traceback: stopping on request is not an error of the code.
+            # SIGTERM (a scheduler's preemption) exits as a stopped training run does: "requeue me".
             raise SweepAborted(
                 f"sweep interrupted ({str(interrupt) or 'Ctrl-C'}): run the same command again to "
                 "finish the remaining trials",
-                exit_code=130,
+                exit_code=REQUEUE_EXIT if str(interrupt) == "SIGTERM" else INTERRUPT_EXIT,
             ) from None
         finally:
             rows = self._write_summary(plan, prefix, n_trials, storage)
@@ -493,7 +494,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise KeyboardInterrupt("SIGTERM")  # the name a trial's own stop request gives too
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

@@ -36,9 +36,14 @@ class SweeperConfigError(CompactHydraException):
         super().__init__(f"attnres_optuna sweeper: {message}")
 
 
+# Exit statuses of a stopped sweep, as harness.job's for a stopped training run (not imported:
+# the sweeper does not load torch): Ctrl-C, and SIGTERM's "requeue me" (sysexits' EX_TEMPFAIL).
+INTERRUPT_EXIT, REQUEUE_EXIT = 130, 75
+
+
 class SweepAborted(CompactHydraException):
     """The sweep stopped on purpose (too many failed trials, an unusable objective: exit status 1;
-    Ctrl-C or SIGTERM: 130, as a stopped training run)."""
+    Ctrl-C: 130; SIGTERM: 75, as a stopped training run)."""
 
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(f"attnres_optuna sweeper: {message}")
