@@ -299,7 +299,12 @@ def _tiles(r_pad: int, w_pad: int, backward: bool = False) -> tuple[int, int]:
 
 
 def _table(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)
+    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    if device.type == "cuda":
+        # From pinned memory (torch's caching host allocator) the copy is asynchronous; from pageable
+        # memory CUDA may make the host wait, and a wait in every read would drain the launch queue.
+        table = table.pin_memory()
+    return table.to(device, non_blocking=True)
 
 
 def _aligned(tensors: list[torch.Tensor]) -> bool:
