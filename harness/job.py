@@ -187,7 +187,7 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         # rank says where it stopped (they agree: the stop is decided collectively).
         if isinstance(error, StopRequested) and _in_trial():
             # In an Optuna trial the sweeper owns the interrupt: it voids the trial, says one line
-            # ("sweep interrupted (Ctrl-C)", or the signal's name) and exits 130.
+            # ("sweep interrupted (Ctrl-C)", or the signal's name) and exits 130 (75 for SIGTERM).
             raise KeyboardInterrupt("" if trainer.stop_reason == "SIGINT" else trainer.stop_reason) from None
         if isinstance(error, StopRequested) and trainer.stop_reason == "SIGINT":
             print(f"{label}: interrupted (Ctrl-C): {error}", file=sys.stderr, flush=True)
