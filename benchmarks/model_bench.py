@@ -195,26 +195,21 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - t, time.process_time() - c
 
-    # A time limit's SIGTERM (run_gpu.sh's stages) stops the bench as Ctrl-C does.
+    # A time limit's SIGTERM (run_gpu.sh's stages) stops the bench as Ctrl-C does; what was
+    # measured by then is reported.
     sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    warmup_s = {}
-    for v in variants:  # with --compile, the first step compiles: its time says what a budget needs
-        t = time.perf_counter()
-        try:
-            for _ in range(args.warmup):
-                timed(v)
-        except KeyboardInterrupt:
-            signal.signal(signal.SIGTERM, sigterm)
-            print(f"model_bench: interrupted in the warm-up of {v} after {time.perf_counter() - t:.0f} s "
-                  f"(warm-ups done: {warmup_s}); no rounds to report", file=sys.stderr)
-            raise SystemExit(130) from None
-        warmup_s[v] = round(time.perf_counter() - t, 2)
     times = {v: [] for v in variants}
     ratios = {v: [] for v in variants}
     cpu_times = {v: [] for v in variants}
     cpu_ratios = {v: [] for v in variants}
-    rounds = 0
+    warmup_s, rounds, stage, t = {}, 0, "first round", time.perf_counter()
     try:
+        for v in variants:  # with --compile, the first step compiles: its time says what a budget needs
+            stage, t = f"warm-up of {v}", time.perf_counter()
+            for _ in range(args.warmup):
+                timed(v)
+            warmup_s[v] = round(time.perf_counter() - t, 2)
+        stage, t = "first round", time.perf_counter()
         for r in range(args.rounds):
             order = variants[r % len(variants):] + variants[: r % len(variants)]
             got = {v: timed(v) for v in order}
@@ -224,9 +219,10 @@ def main(argv=None) -> dict:
                 cpu_times[v].append(got[v][1])
                 cpu_ratios[v].append(got[v][1] / got["baseline"][1])
             rounds += 1
-    except KeyboardInterrupt:  # report the rounds done
+    except KeyboardInterrupt:
         if rounds == 0:
-            print("model_bench: interrupted in the first round; no rounds to report", file=sys.stderr)
+            print(f"model_bench: interrupted in the {stage} after {time.perf_counter() - t:.0f} s "
+                  f"(warm-ups done, s: {warmup_s}); no rounds to report", file=sys.stderr)
             raise SystemExit(130) from None
         print(f"# interrupted: reporting the {rounds} of {args.rounds} rounds done, no memory pass", file=sys.stderr)
         args.no_memory = True
