@@ -4,6 +4,7 @@ reader and one head) on their own, and every C read inside a model.
     python benchmarks/cpu_kernel_bench.py                      # isolated calls, the shapes below
     python benchmarks/cpu_kernel_bench.py --shapes 25,9 8,5,16 # n sources, R readers[, heads[, merge]]
     python benchmarks/cpu_kernel_bench.py --model block        # per-call times in training steps
+    python benchmarks/cpu_kernel_bench.py --model block --floor  # its ratio with the kernels doing nothing
 
 Isolated: one call of the forward and of the backward kernel over N tokens, one thread, buffers
 allocated once and reused (only the kernel's own scratch is allocated, in C; warm caches), best
@@ -11,13 +12,19 @@ of 5 batches; GFLOP/s counts 2·N·n·R·d
 multiply-adds per direction-pass (forward 2 of them, backward 5). In a model: the default model
 (d_model 64, `model.layers=16`, batch 16 × 128, one thread) steps as in model_bench.py and every
 kernel call is timed where it happens, grouped by (direction, kernel, sources, readers, merge): what the
-reads cost with the caches the sublayers leave behind. Prints only; one thread.
+reads cost with the caches the sublayers leave behind. Floor (`--floor`): the baseline, the variant,
+and the variant with every C kernel entry point replaced by one that returns at once (the Python
+wrappers, autograd nodes, allocations, gradient accumulation and optimizer all still run) and
+the outputs zero-filled (left as allocated they soon hold NaN, and exp of NaN runs 4x slower
+here), alternating, CPU time: the step-time ratio the variant would have with kernels that only
+write their outputs. Prints only; one thread.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import ctypes
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -98,10 +105,26 @@ def isolated(n: int, R: int, H: int, merge: bool, N: int, d: int, reps: int) -> 
               f"({5 * flop / times[1] / 1e9:5.1f} GFLOP/s)")
 
 
-def in_model(variant: str, steps: int) -> dict:
+def training_step(variant: str):
+    """One AdamW training step of the default model (d_model 64, `model.layers=16`, batch 16 × 128)
+    with the given residual variant, as a function (model_bench.py steps the same way)."""
     cfg = ModelConfig(max_seq_len=128, d_model=64, layers=16, n_heads=2, d_ff=192, vocab_size=256)
     g = torch.Generator().manual_seed(0)
     idx, tgt = (torch.randint(0, 256, (16, 128), generator=g) for _ in range(2))
+    torch.manual_seed(0)
+    model = DecoderLM(cfg, ResidualConfig(name=variant))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        _, loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def in_model(variant: str, steps: int) -> dict:
     calls = collections.defaultdict(lambda: [0, 0.0])
 
     originals = {}
@@ -125,16 +148,7 @@ def in_model(variant: str, steps: int) -> dict:
     timed("read_backward", "read", lambda a: a[2].shape[0], lambda a: a[3] is not None)
     timed("read_one_forward", "read_one", lambda a: 1, lambda a: a[2] is not None)
     timed("read_one_backward", "read_one", lambda a: 1, lambda a: a[3] is not None)
-    torch.manual_seed(0)
-    model = DecoderLM(cfg, ResidualConfig(name=variant))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        _, loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = training_step(variant)
     try:
         for _ in range(3):
             step()
@@ -155,6 +169,77 @@ def in_model(variant: str, steps: int) -> dict:
     return dict(calls)
 
 
+KERNEL_ENTRY_POINTS = {  # library: its entry points that read or write the sources
+    "depth_read": (cpu_kernels._SIGNATURES, ["attnres_read_forward_ranges", "attnres_read_backward_ranges",
+                                             "attnres_inv_rms_forward", "attnres_inv_rms_backward"]),
+    "depth_read_one": (cpu_kernels._READ_ONE_SIGNATURES, ["attnres_read_one_forward", "attnres_read_one_backward"]),
+}
+
+# cpu_kernels' functions whose results are the kernels' outputs (every entry point above is behind one)
+ZEROED_WRAPPERS = ("read_forward", "read_backward", "read_one_forward", "read_one_backward", "inv_rms_forward",
+                   "inv_rms_backward")
+
+
+def _zeroing(fn):
+    """fn, then its output tensors zero-filled (the results of a kernel call that did nothing)."""
+    def call(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        stack = [result]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                item.zero_()
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+        return result
+    return call
+
+
+def floor(variant: str, rounds: int, steps: int = 3) -> dict:
+    """Median CPU time per step and ratio to the baseline's of the variant with its kernels and
+    with every kernel entry point doing nothing (see the module docstring), rounds alternating
+    the three (the order rotates), each round `steps` steps of each after one warm-up step."""
+    libs = {name: native.require(name, sigs, "the floor measurement") for name, (sigs, _) in KERNEL_ENTRY_POINTS.items()}
+    real = {(name, fn): getattr(libs[name], fn) for name, (_, fns) in KERNEL_ENTRY_POINTS.items() for fn in fns}
+    wrappers = {name: getattr(cpu_kernels, name) for name in ZEROED_WRAPPERS}
+    skipped = [0]
+
+    def nothing(*args):
+        skipped[0] += 1
+        return 0  # the entry points' "done" status
+
+    def kernels_on(on: bool) -> None:
+        for (name, fn), f in real.items():
+            setattr(libs[name], fn, f if on else nothing)
+        for name, f in wrappers.items():
+            setattr(cpu_kernels, name, f if on else _zeroing(f))
+
+    configs = [("baseline", True), (variant, True), (variant, False)]
+    steps_of = {c: training_step(c[0]) for c in configs}  # the no-op's garbage stays in its own model
+    times = {c: [] for c in configs}
+    try:
+        for c in configs:
+            kernels_on(c[1])
+            steps_of[c]()
+        for r in range(rounds):
+            for c in configs[r % 3:] + configs[: r % 3]:
+                kernels_on(c[1])
+                t = time.process_time()
+                for _ in range(steps):
+                    steps_of[c]()
+                times[c].append((time.process_time() - t) / steps)
+    finally:
+        kernels_on(True)
+    base = times[configs[0]]
+    out = {"skipped_calls": skipped[0]}
+    for c, label in zip(configs, ("baseline", variant, f"{variant}, kernels doing nothing")):
+        ratio = statistics.median(t / b for t, b in zip(times[c], base))
+        out[label] = {"step_ms": 1e3 * statistics.median(times[c]), "ratio": ratio}
+        print(f"{label:36s} {out[label]['step_ms']:7.1f} ms CPU per step   ratio {ratio:.3f}")
+    print(f"({rounds} alternating rounds of {steps} steps each, one thread, medians)")
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES,
@@ -165,13 +250,18 @@ def main(argv=None) -> None:
     ap.add_argument("--model", choices=VARIANTS, metavar="VARIANT",
                     help="a residual variant: time the kernel calls inside its training steps")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--floor", action="store_true",
+                    help="with --model: the variant's step-time ratio with its kernels and with them doing nothing")
+    ap.add_argument("--rounds", type=int, default=10, help="--floor: alternating rounds")
     args = ap.parse_args(argv)
+    if args.floor and not args.model:
+        ap.error("--floor: needs --model VARIANT")
     torch.set_num_threads(1)
     malloc.keep_freed_memory()  # as the harness trains (and model_bench.py measures)
     if not cpu_kernels.available():
         raise SystemExit(f"the C kernels could not be built: {native.why_unavailable('depth_read')}")
     if args.model:
-        in_model(args.model, args.steps)
+        floor(args.model, args.rounds) if args.floor else in_model(args.model, args.steps)
         return
     for spec in args.shapes:
         n, R, *rest = (int(x) for x in spec.split(","))

@@ -137,6 +137,23 @@ def test_cpu_kernel_bench_times_every_c_read_of_a_block_model(capsys):
     assert "kernels (with their Python wrappers)" in capsys.readouterr().out
 
 
+def test_cpu_kernel_bench_floor_skips_every_kernel_call_then_restores_them(capsys):
+    """--floor: in the config with the kernels doing nothing, every C entry point of a block
+    step is skipped (per step: 25 merges and 8 phase-1 reads, forward and backward, and the
+    1/rms of the 8 sources phase 1 reads) and its outputs zero-filled; the libraries' real entry
+    points and cpu_kernels' functions are back afterwards."""
+    from attnres.kernels import cpu_kernels, native
+
+    lib = native.require("depth_read_one", cpu_kernels._READ_ONE_SIGNATURES, "the test")
+    before, wrapper = lib.attnres_read_one_backward, cpu_kernels.read_one_backward
+    out = cpu_kernel_bench.floor("block", rounds=1, steps=1)
+    assert out["skipped_calls"] == 2 * (2 * 25 + 2 * 8 + 8)  # the warm-up step and one timed step
+    assert lib.attnres_read_one_backward is before and cpu_kernels.read_one_backward is wrapper
+    assert out["baseline"]["ratio"] == 1.0
+    assert all(out[k]["step_ms"] > 0 for k in ("block", "block, kernels doing nothing"))
+    assert "kernels doing nothing" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("main, argv, message", [
     (model_bench.main, ["--variants", "block,nope"], "--variants: unknown nope; allowed: baseline,"),
     (model_bench.main, ["--variants", "block", "--layers", "1"], "--variants block: residual.block_size=4 must be"),
