@@ -99,7 +99,7 @@ def tiny_db(tmp_path_factory):
     failed = _log_run(client, exps["ablation"], variant="hc", sweep="ablation", seed=0, loss=np.nan,
                       tokens=10_000, status="FAILED", parent=parent)
     for v, A in (("baseline", 1.0), ("block", 0.97)):
-        for tokens in (20_000, 60_000, 200_000):
+        for tokens in (20_000, 60_000, 200_000, 600_000):  # 4 sizes: the fewest with an interval
             C = tokens * FLOPS_PER_TOKEN / 8.64e19
             _log_run(client, exps["scaling"], variant=v, sweep="scaling", seed=0,
                      loss=A * C ** -0.05 * np.exp(rng.normal(0, 0.002)), tokens=tokens)
@@ -129,7 +129,7 @@ def tiny_db(tmp_path_factory):
 
 def test_loader_reads_schema(tiny_db):
     runs = load_runs(tiny_db["uri"])
-    assert len(runs) == 13 + 6 + 5 + 16 + 4  # ablation (one FAILED), scaling, block size, arch, probe
+    assert len(runs) == 13 + 8 + 5 + 16 + 4  # ablation (one FAILED), scaling, block size, arch, probe
     probe = runs[runs["sweep"] == "multihop"].set_index(["variant", "seed"])
     assert probe.loc[("block", 1), "probe_acc_hop_3"] == pytest.approx(0.3 + 0.1 + 0.01)
     assert tiny_db["parent"] not in set(runs["run_id"])  # parent runs hold no training
@@ -140,7 +140,7 @@ def test_loader_reads_schema(tiny_db):
     assert np.allclose(fin["compute_pfd"], fin["flops"] / 8.64e19)
     assert fin["output_rms_block_00"].notna().all()
     only = load_runs(tiny_db["uri"], ["scaling"], "tags.attnres.variant = 'block'")
-    assert set(only["variant"]) == {"block"} and len(only) == 3
+    assert set(only["variant"]) == {"block"} and len(only) == 4
 
 
 def _files(folder: Path):

@@ -154,3 +154,50 @@ def test_paper_points_sit_on_paper_laws():
     base = pts[pts["variant"] == "baseline"]
     pred = paper.laws()["baseline"](base["compute_pfd"].to_numpy())
     assert np.max(np.abs(pred - base["loss"].to_numpy())) < 0.01
+
+
+def test_two_seeds_straddling_the_law_give_one_fit():
+    """4 sizes × 2 seeds, the seeds ±3% around A·C^-α at every size: least absolute deviations
+    (Huber at δ = 1e-3) is flat along every line between the pairs, and its α depended on where
+    L-BFGS stopped; δ scaled to the residuals has one optimum, the law itself (float64, 1e-6)."""
+    C = np.repeat(np.geomspace(1e-7, 3e-6, 4), 2)
+    L = A_TRUE * C ** -ALPHA_TRUE * np.exp(np.tile([0.03, -0.03], 4))
+    fit = fit_power_law(C, L, n_boot=0)
+    assert fit.delta == pytest.approx(sc.HUBER_TUNING * 1.4826 * 0.03, rel=1e-3)
+    assert fit.law.alpha == pytest.approx(ALPHA_TRUE, rel=1e-6)
+    assert fit.law.A == pytest.approx(A_TRUE, rel=1e-6)
+    # the same runs in another order: the same law
+    order = np.random.default_rng(0).permutation(len(C))
+    assert fit_power_law(C[order], L[order], n_boot=0).law.alpha == pytest.approx(fit.law.alpha, rel=1e-9)
+
+
+def test_small_sample_factor_is_the_t_correction():
+    """t_{n−p}(0.975)/z(0.975)·sqrt(n/(n−p)): 2.4469/1.9600·sqrt(8/6) = 1.4416 at 8 runs, 2 parameters."""
+    assert sc.small_sample_factor(8, 2) == pytest.approx(2.446912 / 1.959964 * np.sqrt(8 / 6), rel=1e-5)
+    assert sc.small_sample_factor(1000, 2) == pytest.approx(1.0, abs=0.005)
+
+
+@pytest.mark.parametrize("sizes, seeds, has_interval", [(3, 1, False), (2, 2, False), (3, 3, False), (4, 1, True), (4, 2, True)])
+def test_intervals_need_four_compute_values(sizes, seeds, has_interval):
+    """Fewer than 4 distinct compute values (or p + 2 runs): resamples cannot show the spread
+    (simulated coverage ~65%), so no interval is given."""
+    C = np.repeat(np.geomspace(1e-7, 3e-6, sizes), seeds)
+    L = A_TRUE * C ** -ALPHA_TRUE * np.exp(np.random.default_rng(0).normal(0, NOISE, len(C)))
+    ci = fit_power_law(C, L, n_boot=50).ci()["alpha"]
+    assert np.isfinite(ci).all() == has_interval
+
+
+def test_bad_runs_are_dropped_and_counted_or_one_clear_error():
+    fit = fit_power_law([1e-7, 1e-6, 1e-5, 1e-4, 1e-3], [2.0, 1.9, np.nan, 1.7, -1.0], n_boot=0)
+    assert fit.n_runs == 3 and fit.n_dropped == 2
+    with pytest.raises(ValueError, match="3 compute values but 2 losses"):
+        fit_power_law([1e-7, 1e-6, 1e-5], [2.0, 1.9])
+    with pytest.raises(ValueError, match=r"got 0 \(3 runs dropped\)"):
+        fit_power_law([1e-7, 1e-6, 1e-5], [-2.0, -1.9, -1.8])
+
+
+def test_shared_exponent_needs_a_variant_over_two_compute_values():
+    """Each variant at one compute value: α is not identified; it used to come back as the
+    solver's starting value."""
+    with pytest.raises(ValueError, match="no variant has runs at 2 or more distinct compute values"):
+        fit_shared_exponent({"a": ([1, 1], [2, 1.9]), "b": ([2, 2], [1.8, 1.7])})
