@@ -10,6 +10,13 @@ established. At a grid edge there is no bracket and the grid value is returned a
 
 The per-variant optimum is taken in the heads/L_b row holding the variant's best cell (the
 paper's 1.847 and 1.802 are both grid minima); :func:`find_optimum` also takes a given row.
+
+Cells are compared between variants by their *actual* shape (d_model × layers × heads), not their
+nominal ratios: rounding to whole layers and heads can send two nominal cells to one model (ours:
+d_model/L_b 40 at heads/L_b 0.25 and 0.5 are both 112 × 2 × 1), and counting that model twice
+would count one comparison twice. A cell's difference only counts as a win or a loss beyond the
+seed noise (:func:`seed_noise`, :func:`compare_cells`); with one seed per cell and no replicated
+configuration there is no noise estimate, and then no cell counts either way.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 X, Y, V = "d_model_per_layer", "heads_per_layer", "loss"
 
@@ -78,6 +86,22 @@ def optima_table(grid: pd.DataFrame, per_row: bool = False) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def shape_of(runs: pd.DataFrame) -> pd.Series:
+    """The actual model shape of each run, "d_model×layers×heads" (what was trained, whatever
+    nominal cell the sweep meant it for)."""
+    return (runs["d_model"].astype(int).astype(str) + "×" + runs["layers"].astype(int).astype(str)
+            + "×" + runs["n_heads"].astype(int).astype(str))
+
+
+def _seed_key(r: pd.DataFrame) -> pd.Series:
+    # Runs of one shape and one seed are one experiment, however many nominal cells logged it; a
+    # run without a seed cannot be matched to another and counts on its own.
+    seed = (pd.to_numeric(r["seed"], errors="coerce") if "seed" in r
+            else pd.Series(np.nan, index=r.index))
+    own = pd.Series([f"run{i}" for i in range(len(r))], index=r.index)
+    return seed.map(lambda x: f"seed{x:g}" if pd.notna(x) else None).fillna(own)
+
+
 def grid_from_runs(runs: pd.DataFrame, metric: str = "final_val_loss", digits: int = 2
                    ) -> pd.DataFrame:
     """Average seeds into grid cells.
@@ -86,7 +110,9 @@ def grid_from_runs(runs: pd.DataFrame, metric: str = "final_val_loss", digits: i
     the head count are integers, the head dimension must be whole), and the rounding differs
     from cell to cell, so actual ratios do not line up in a grid. Cells are therefore keyed by
     the nominal ratios the sweep logged (``sweep.arch.*``) when present, else by the actual
-    ratios rounded to ``digits`` decimals; the mean actual ratios are kept beside them.
+    ratios rounded to ``digits`` decimals; the mean actual ratios are kept beside them, with the
+    actual ``shape`` (:func:`shape_of`; shapes joined by "," if a cell mixes several) and the
+    number of distinct ``seeds`` (``n`` counts runs).
     """
     r = runs.dropna(subset=["d_model", "layers", "n_heads", metric]).copy()
     actual_x, actual_y = r["d_model"] / r["layers"], r["n_heads"] / r["layers"]
@@ -95,19 +121,81 @@ def grid_from_runs(runs: pd.DataFrame, metric: str = "final_val_loss", digits: i
     r[X] = nom_x.where(nom_x.notna(), actual_x.round(digits))
     r[Y] = nom_y.where(nom_y.notna(), actual_y.round(digits))
     r["actual_" + X], r["actual_" + Y] = actual_x, actual_y
+    r["shape"], r["_seed"] = shape_of(r), _seed_key(r)
     g = (r.groupby(["variant", Y, X])
-         .agg(loss=(metric, "mean"), n=(metric, "count"),
+         .agg(loss=(metric, "mean"), n=(metric, "count"), seeds=("_seed", "nunique"),
+              shape=("shape", lambda s: ",".join(sorted(set(s)))),
               **{f"actual_{X}": (f"actual_{X}", "mean"), f"actual_{Y}": (f"actual_{Y}", "mean")})
          .reset_index())
     return g
 
 
+def seed_noise(runs: pd.DataFrame, metric: str = "final_val_loss") -> tuple[float, int]:
+    """(σ, degrees of freedom): seed-to-seed standard deviation pooled over every (variant, actual
+    shape) trained with two or more distinct seeds; (NaN, 0) when there is none.
+
+    A nominal cell's runs are not replicates when they are one shape and one seed logged twice,
+    so runs are first averaged per (variant, shape, seed); only distinct seeds give degrees of
+    freedom. Seed noise is the only yardstick for a grid with one run per cell, which is why the
+    report looks for it among the sweep's own runs rather than borrowing another model size's."""
+    r = runs.dropna(subset=["d_model", "layers", "n_heads", metric])
+    if r.empty:
+        return np.nan, 0
+    r = r.assign(shape=shape_of(r), _seed=_seed_key(r))
+    per_seed = r.groupby(["variant", "shape", "_seed"])[metric].mean()
+    ss, dof = 0.0, 0
+    for _, v in per_seed.groupby(level=["variant", "shape"]):
+        v = v.to_numpy(float)
+        if len(v) >= 2:
+            ss += float(((v - v.mean()) ** 2).sum())
+            dof += len(v) - 1
+    return (float(np.sqrt(ss / dof)), dof) if dof else (np.nan, 0)
+
+
+def compare_cells(grid: pd.DataFrame, variant: str, baseline: str = "baseline",
+                  sigma: float = np.nan, dof: int = 0, level: float = 0.95) -> pd.DataFrame:
+    """``variant`` against ``baseline`` in every cell both have, one row per distinct shape.
+
+    Columns: heads/L_b and d_model/L_b of the (first) nominal cell, shape, ``nominal`` (how many
+    nominal cells share that shape) and ``cells`` (them, as d_model/L_b / heads/L_b), both
+    losses, delta = loss(variant) − loss(baseline), ``half`` = t_{dof}·σ·√(1/n_variant +
+    1/n_baseline) with n the distinct seeds in each cell (the 95% interval of the difference of
+    two cell means under the pooled seed noise ``sigma`` with ``dof`` degrees of freedom), and
+    ``outcome``: ``win`` / ``loss`` when |delta| exceeds ``half``, ``tie`` within it, ``n/a``
+    without a noise estimate (then the sign of delta is all there is, and at one seed per cell
+    that is not evidence)."""
+    cols = [Y, X, "shape", "nominal", "cells", "loss", "loss_base", "delta", "half", "outcome"]
+    a, b = grid[grid["variant"] == variant], grid[grid["variant"] == baseline]
+    m = a.merge(b, on=[Y, X], suffixes=("", "_base")).sort_values([Y, X])
+    if m.empty:
+        return pd.DataFrame(columns=cols)
+    m["cells"] = [f"{x:g}/{y:g}" for x, y in zip(m[X], m[Y])]
+    if "shape" in m:
+        # One row per actual shape, at its first nominal cell in (heads/L_b, d_model/L_b) order.
+        by = m.groupby("shape", sort=False)
+        m["nominal"] = by["cells"].transform("size")
+        m["cells"] = by["cells"].transform(", ".join)
+        m = m.drop_duplicates("shape").copy()
+    else:  # the paper's grid: its cells are its models
+        m["shape"], m["nominal"] = None, 1
+    n_col = "seeds" if "seeds" in m else "n"
+    na = m[n_col].to_numpy(float) if n_col in m else np.ones(len(m))
+    nb = m[n_col + "_base"].to_numpy(float) if n_col + "_base" in m else np.ones(len(m))
+    m["delta"] = m["loss"] - m["loss_base"]
+    if dof and np.isfinite(sigma):
+        m["half"] = stats.t.ppf((1 + level) / 2, dof) * sigma * np.sqrt(1 / na + 1 / nb)
+        m["outcome"] = np.where(m["delta"] < -m["half"], "win",
+                                np.where(m["delta"] > m["half"], "loss", "tie"))
+    else:
+        m["half"], m["outcome"] = np.nan, "n/a"
+    return m[cols].reset_index(drop=True)
+
+
 def wins(grid: pd.DataFrame, variant: str, baseline: str = "baseline") -> tuple[int, int]:
-    """(cells where ``variant`` has lower loss than the baseline, cells both have)."""
-    a = grid[grid["variant"] == variant].set_index([Y, X])[V]
-    b = grid[grid["variant"] == baseline].set_index([Y, X])[V]
-    both = a.index.intersection(b.index)
-    return int((a[both] < b[both]).sum()), int(len(both))
+    """(cells where ``variant`` has lower loss than the baseline, cells both have), by point
+    estimate; cells of one actual shape count once (see :func:`compare_cells`)."""
+    c = compare_cells(grid, variant, baseline)
+    return int((c["delta"] < 0).sum()), int(len(c))
 
 
 def pivot(grid: pd.DataFrame, variant: str) -> pd.DataFrame:

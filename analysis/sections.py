@@ -4,7 +4,10 @@ and return its Markdown plus the paper's claims it checks.
 Verdicts follow one rule everywhere: a claim of the paper *agrees* when our runs show the same
 direction with a 95% interval (or a 5%-level test) that excludes the opposite, *does not agree*
 when they show the opposite direction at that level, and is *inconclusive* otherwise. Where only a
-point estimate exists (the grid optima of Fig. 7) the claim says so.
+point estimate exists the verdict is *inconclusive* and the claim says why: the cells of Fig. 7
+are one run each, so a cell counts as a win or a loss, and an optimum as located, only beyond a
+seed-noise interval, which needs shapes trained with several seeds among the runs; the depth
+weights of Fig. 8 are one number per run, with an interval only over two or more runs.
 """
 from __future__ import annotations
 
@@ -133,7 +136,8 @@ def _what_it_would_take(runs: pd.DataFrame, t: pd.DataFrame) -> str:
         return ""
     lines = [f"**What it would take to tell.** Seed-to-seed noise at this scale: σ = {sigma:.4f} "
              f"(pooled over variants, {dof} degrees of freedom). Seeds per variant a two-sided "
-             "5%-level comparison with the baseline needs for 80% power:\n"]
+             "5%-level t test against the baseline (as many seeds for the baseline) needs for 80% "
+             "power, from the noncentral t distribution:\n"]
     rows = []
     for v in t.index:
         if v == "baseline":
@@ -391,21 +395,91 @@ def arch_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
     claims = []
     o = opt[opt["source"] == "ours"].set_index("variant")
     if {"baseline", "block"} <= set(o.index):
-        b, a = o.loc["baseline"], o.loc["block"]
-        if a.grid_optimum != b.grid_optimum:
-            v = "agrees" if a.grid_optimum < b.grid_optimum else "does not agree"
+        sigma, dof = architecture.seed_noise(runs)
+        cmp = architecture.compare_cells(ours, "block", sigma=sigma, dof=dof)
+        claims.append(_optimum_claim(ours, o.loc["block"], o.loc["baseline"], sigma, dof))
+        k, n = int((cmp["delta"] < 0).sum()), len(cmp)
+        won, lost = int((cmp["outcome"] == "win").sum()), int((cmp["outcome"] == "loss").sum())
+        repeats = cmp[cmp["nominal"] > 1]
+        collapsed = int((repeats["nominal"] - 1).sum())
+        same = (f"; {collapsed} nominal cell{'s repeat' if collapsed > 1 else ' repeats'} "
+                "another's shape, counted once" if collapsed else "")
+        if not n:
+            claims.append(Claim("AttnRes wins in every cell (25 of 25)", "no shared cells",
+                                "not tested"))
+        elif not dof:
+            claims.append(Claim("AttnRes wins in every cell (25 of 25)",
+                                f"{k} of {n} cells lower by point estimate, one run each and no "
+                                f"seed-noise estimate{same}", "inconclusive"))
         else:
-            v = "inconclusive"
-        claims.append(Claim("AttnRes prefers deeper, narrower models "
-                            "(optimum d_model/L_b 45 vs 60)",
-                            f"block {a.grid_optimum:g} (refined {a.refined:.1f}) vs baseline "
-                            f"{b.grid_optimum:g} (refined {b.refined:.1f}); grid point estimates",
-                            v))
-        k, n = architecture.wins(ours, "block")
-        claims.append(Claim("AttnRes wins in every cell (25 of 25)", f"{k} of {n} cells",
-                            "agrees" if n and k == n else "does not agree" if n else "not tested"))
-        text += f"Block AttnRes has the lower loss in {k} of {n} shared cells.\n\n"
+            claims.append(Claim("AttnRes wins in every cell (25 of 25)",
+                                f"{won} of {n} cells lower and {lost} higher beyond seed noise "
+                                f"({k} lower by point estimate){same}",
+                                "agrees" if won == n else "does not agree" if lost
+                                else "inconclusive"))
+        text += (f"Block AttnRes has the lower loss in {k} of {n} distinct model shapes both "
+                 f"variants have")
+        if collapsed:
+            # Two nominal cells that trained one model are one comparison, not two.
+            text += (f" ({n + collapsed} nominal cells: rounding to whole layers and heads made "
+                     + "; ".join(f"cells {r.cells} (d_model/L_b / heads/L_b) one model, "
+                                 f"{r.shape}" for r in repeats.itertuples())
+                     + ", counted once)")
+        text += ".\n\n"
+        if n and dof:
+            text += (f"Seed noise from the shapes trained with two or more seeds: σ = "
+                     f"{sigma:.4f} ({dof} degrees of freedom). A cell is a win or a loss only "
+                     "when its difference exceeds the 95% interval t·σ·√(1/n_block + "
+                     f"1/n_baseline): {won} wins, {lost} losses, {n - won - lost} within noise. "
+                     "An optimum is resolved only when each variant's own best cell beats its "
+                     "loss at the other variant's best cell by more than that interval.\n\n")
+        elif n:
+            d = cmp["delta"].abs()
+            text += (f"Every cell is one run (one seed), and no shape among these runs was trained "
+                     f"with two or more seeds, so they carry no estimate of seed noise: the "
+                     f"differences (|Δ| {d.min():.3f} to {d.max():.3f}) and the optima are point "
+                     "estimates, and both verdicts are *inconclusive*. A few cells run with more "
+                     "seeds would give the grid its noise floor.\n\n")
     return Section(title, text + _img(files, out, "Fig. 7"), claims, files)
+
+
+def _optimum_claim(grid: pd.DataFrame, a, b, sigma: float, dof: int) -> Claim:
+    """Block's optimum (``a``) against the baseline's (``b``), each one cell of a grid.
+
+    The location of an optimum is only as sure as its margin: the claim needs each variant's own
+    best cell to beat that variant's loss at the *other* variant's best cell by more than the
+    seed-noise interval t·σ·√(1/n₁ + 1/n₂); otherwise either optimum could sit in the other's
+    cell and the direction is *inconclusive*, as it is without a noise estimate at all."""
+    name = "AttnRes prefers deeper, narrower models (optimum d_model/L_b 45 vs 60)"
+    where = (f"block {a.grid_optimum:g} (refined {a.refined:.1f}) vs baseline "
+             f"{b.grid_optimum:g} (refined {b.refined:.1f})")
+    if a.grid_optimum == b.grid_optimum:
+        return Claim(name, where + "; the same grid column", "inconclusive")
+    if not dof:
+        return Claim(name, where + "; grid point estimates, one run per cell and no seed-noise "
+                     "estimate", "inconclusive")
+    X, Y = architecture.X, architecture.Y
+    t = stats.t.ppf(0.975, dof)
+
+    def cell(v, opt):
+        c = grid[(grid["variant"] == v) & np.isclose(grid[Y], opt.heads_per_layer)
+                 & np.isclose(grid[X], opt.grid_optimum)]
+        return (float(c["loss"].iloc[0]), float(c["seeds"].iloc[0] if "seeds" in c
+                                                else c["n"].iloc[0])) if len(c) else None
+
+    gaps = []
+    for v, own, other in (("block", a, b), ("baseline", b, a)):
+        mine, theirs = cell(v, own), cell(v, other)
+        if mine is None or theirs is None:
+            return Claim(name, where + f"; {v} has no run in the other optimum's cell",
+                         "inconclusive")
+        gaps.append((v, theirs[0] - mine[0], t * sigma * np.sqrt(1 / mine[1] + 1 / theirs[1])))
+    clear = all(g > h for _, g, h in gaps)
+    verdict = (("agrees" if a.grid_optimum < b.grid_optimum else "does not agree") if clear
+               else "inconclusive")
+    margins = ", ".join(f"{v} {g:.4f} ± {h:.4f}" for v, g, h in gaps)
+    return Claim(name, f"{where}; margin of each optimum over the other's cell: {margins}"
+                 + ("" if clear else " (within seed noise)"), verdict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,30 +550,58 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
     return Section(title, text + _img(files, out, "Fig. 5"), claims, files)
 
 
+def _diagonal(W) -> dict:
+    """The Fig. 8 numbers of one run's depth-weight matrix (readers × sources, NaN where a source
+    is not visible): mean weight on the embedding (source 0) over all readers, and over readers
+    with a real choice (2+ sources) the mean weight on the most recent visible source, the mean
+    share a uniform average would give it, and their difference, the excess."""
+    W = np.array(W, dtype=float)
+    visible = np.isfinite(W)
+    n_vis = visible.sum(axis=1)
+    last = np.array([W[i, np.flatnonzero(visible[i])[-1]] if visible[i].any() else np.nan
+                     for i in range(len(W))])
+    choice = n_vis >= 2
+    if not choice.any():
+        return {"readers": len(W), "embedding_weight": float(np.nanmean(W[:, 0])),
+                "recent_weight": np.nan, "uniform_share": np.nan, "excess": np.nan}
+    recent, uniform = float(np.mean(last[choice])), float(np.mean(1.0 / n_vis[choice]))
+    return {"readers": len(W), "embedding_weight": float(np.nanmean(W[:, 0])),
+            "recent_weight": recent, "uniform_share": uniform, "excess": recent - uniform}
+
+
+def _same_or_range(values):
+    v = sorted({int(x) for x in values if x is not None and np.isfinite(x)})
+    return np.nan if not v else float(v[0]) if len(v) == 1 else f"{v[0]}–{v[-1]}"
+
+
 def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Section:
+    """Fig. 8: does each sublayer weight its most recent source above a uniform share?
+
+    The excess (recent weight − uniform share, over readers with 2+ sources) is one number per
+    run, and the interval is a t-interval over runs, i.e. seeds. The ~30 reader rows of one run
+    are not replicates: they are read off one trained model, so their scatter says nothing about
+    what another seed would give, and an interval over them would be pseudo-replication, far too
+    narrow. With one run there is no interval and no verdict. The
+    figure draws one run per variant, the lowest seed."""
     title = "Depth weights (paper Fig. 8)"
     chosen, rows = {}, []
     for v, g in runs.sort_values(["seed", "run_id"]).groupby("variant", sort=True):
-        rid = next((r for r in g["run_id"]
-                    if instrumentation.get(r, {}).get("depth_weights")), None)
-        if rid is None:
+        per_run = []
+        for rid in g["run_id"]:
+            p = instrumentation.get(rid, {})
+            if p.get("depth_weights"):
+                chosen.setdefault(v, p)
+                per_run.append({"run_id": rid, "step": p.get("step"),
+                                **_diagonal(p["depth_weights"])})
+        if not per_run:
             continue
-        p = instrumentation[rid]
-        chosen[v] = p
-        W = np.array(p["depth_weights"], dtype=float)
-        visible = np.isfinite(W)
-        n_vis = visible.sum(axis=1)
-        last = np.array([W[i, np.flatnonzero(visible[i])[-1]] if visible[i].any() else np.nan
-                         for i in range(len(W))])
-        # Readers with a real choice (2+ sources): recent weight minus the uniform share, over
-        # which a t-interval is taken (the rows of one run are the replicates here).
-        choice = n_vis >= 2
-        excess = last[choice] - 1.0 / n_vis[choice]
-        m, h, _ = abl.t_interval(excess)
-        rows.append({"variant": v, "run_id": rid, "step": p.get("step"), "readers": len(W),
-                     "embedding_weight": float(np.nanmean(W[:, 0])),
-                     "recent_weight": float(np.nanmean(last[choice])),
-                     "uniform_share": float(np.mean(1.0 / n_vis[choice])),
+        d = pd.DataFrame(per_run)
+        m, h, n = abl.t_interval(d["excess"])
+        rows.append({"variant": v, "runs": n, "figure_run": d["run_id"].iloc[0],
+                     "step": _same_or_range(d["step"]), "readers": _same_or_range(d["readers"]),
+                     "embedding_weight": float(d["embedding_weight"].mean()),
+                     "recent_weight": float(d["recent_weight"].mean()),
+                     "uniform_share": float(d["uniform_share"].mean()),
                      "excess": m, "excess_ci": h})
     files = figures.depth_weights(chosen, out / "figures")
     if not rows:
@@ -508,19 +610,24 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
     t = pd.DataFrame(rows)
     files += _write(t, out, "fig8_depth_weights")
     text = _md(t)
-    text += ("\nOne run per variant (lowest seed), latest step. embedding_weight: mean weight on "
-             "source 0 over all readers; recent_weight and uniform_share: mean weight on the most "
-             "recent visible source, and the share a uniform average would give it, over readers "
-             "with two or more sources; excess: their difference ± 95% t-interval over those "
-             "readers.\n\n")
+    text += ("\nEvery run of each variant with depth weights (runs), each at its latest step. Per "
+             "run: embedding_weight, the mean weight on source 0 over all readers; recent_weight "
+             "and uniform_share, the mean weight on the most recent visible source and the share "
+             "a uniform average would give it, over readers with two or more sources; excess, "
+             "their difference. The table gives means over runs, and excess ± its 95% t-interval "
+             "over runs (seeds): the readers of one run come from one trained model and are not "
+             "replicates, so one run gives no interval. figure_run: the run the figure draws (the "
+             "lowest seed).\n\n")
     claims = []
     for r in rows:
         if r["variant"] in ("full", "block"):
             lo, hi = r["excess"] - r["excess_ci"], r["excess"] + r["excess_ci"]
+            spread = (f"excess {_f(r['excess'], 3)} ± {_f(r['excess_ci'], 3)} over {r['runs']} "
+                      "runs" if r["runs"] >= 2 else "one run, no interval")
             claims.append(Claim(f"{r['variant']}: each sublayer weights its most recent source "
                                 "above a uniform share (strong diagonal)",
-                                f"{r['recent_weight']:.3f} vs uniform {r['uniform_share']:.3f}",
-                                _verdict(lo, hi, better_is_negative=False)))
+                                f"{r['recent_weight']:.3f} vs uniform {r['uniform_share']:.3f}; "
+                                + spread, _verdict(lo, hi, better_is_negative=False)))
     return Section(title, text + _img(files, out, "Fig. 8"), claims, files)
 
 

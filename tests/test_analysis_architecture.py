@@ -4,8 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
-from analysis.architecture import find_optimum, grid_from_runs, optima_table, refine_vertex, wins
+from analysis.architecture import (compare_cells, find_optimum, grid_from_runs, optima_table,
+                                   refine_vertex, seed_noise, wins)
 from analysis.paper import load_paper
 
 
@@ -84,3 +86,42 @@ def test_grid_uses_nominal_cells_when_logged():
     g = grid_from_runs(runs)
     assert set(g["d_model_per_layer"]) == {15.0}
     assert sorted(g["actual_d_model_per_layer"]) == [15.0, 16.0]
+
+
+def _two_cells_one_model(losses_block=(2.0, 2.0), seeds=(0,)):
+    """Nominal cells 40/0.25 and 40/0.5 that both rounded to 112×2×1 (as in our sweep), plus a
+    distinct 27/0.5 cell, for block and baseline."""
+    rows = []
+    for v, (l40, l27) in (("baseline", (2.1, 2.1)), ("block", losses_block)):
+        for seed in seeds:
+            for y in (0.25, 0.5):
+                rows.append({"variant": v, "seed": seed, "d_model": 112, "layers": 2,
+                             "n_heads": 1, "arch_d_model_per_layer": 40.0,
+                             "arch_heads_per_layer": y, "final_val_loss": l40 + 0.01 * seed})
+            rows.append({"variant": v, "seed": seed, "d_model": 92, "layers": 3, "n_heads": 2,
+                         "arch_d_model_per_layer": 27.0, "arch_heads_per_layer": 0.5,
+                         "final_val_loss": l27 + 0.01 * seed})
+    return pd.DataFrame(rows)
+
+
+def test_cells_of_one_actual_shape_count_once():
+    g = grid_from_runs(_two_cells_one_model(losses_block=(2.0, 2.2)))
+    assert set(g["shape"]) == {"112×2×1", "92×3×2"}
+    assert wins(g, "block") == (1, 2)  # not (2, 3): 40/0.25 and 40/0.5 are one model
+    c = compare_cells(g, "block").set_index("shape")
+    assert c.loc["112×2×1", "nominal"] == 2 and c.loc["112×2×1", "cells"] == "40/0.25, 40/0.5"
+    assert (c["outcome"] == "n/a").all() and c["half"].isna().all()  # no seed noise to judge by
+
+
+def test_seed_noise_counts_distinct_seeds_only():
+    # One seed: the two nominal cells of one model are one experiment, not a replicate.
+    sigma, dof = seed_noise(_two_cells_one_model())
+    assert np.isnan(sigma) and dof == 0
+    # Seeds 0 and 1 differ by 0.01 in every (variant, shape): σ = 0.01/√2, one dof per shape.
+    sigma, dof = seed_noise(_two_cells_one_model(seeds=(0, 1)))
+    assert dof == 4 and sigma == pytest.approx(0.01 / np.sqrt(2), rel=1e-9)
+    g = grid_from_runs(_two_cells_one_model(losses_block=(2.0, 2.2), seeds=(0, 1)))
+    c = compare_cells(g, "block", sigma=sigma, dof=dof).set_index("shape")
+    half = stats.t.ppf(0.975, 4) * sigma * np.sqrt(1 / 2 + 1 / 2)
+    assert c["half"].to_numpy() == pytest.approx([half, half])
+    assert dict(c["outcome"]) == {"112×2×1": "win", "92×3×2": "loss"}  # |Δ| = 0.1 > 0.0196
