@@ -319,9 +319,12 @@ def scaling_section(runs: pd.DataFrame, paper: Paper, out: Path, *, n_boot: int,
     text = ""
     if notes:
         text += "Not fitted: " + "; ".join(notes) + ".\n\n"
-    text += ("Fits: Huber loss (δ = 1e-3) on log loss, summed, L-BFGS from a grid of starts; "
-             f"{int(level * 100)}% percentile intervals from {n_boot} bootstrap resamples of runs "
-             f"(seed {seed}). C in PFLOP/s-days (1 = 8.64e19 FLOPs).\n\n")
+    deltas = ", ".join(f"{v} {f.delta:.3g}" for v, f in fits.items())
+    text += ("Fits: Huber loss on log loss, summed, L-BFGS from a grid of starts, δ = 1.345·σ̂ of "
+             f"the residuals (pure form: {deltas}); {int(level * 100)}% percentile intervals from "
+             f"{n_boot} bootstrap resamples of runs (seed {seed}), their spread widened by "
+             "t_{n−p}/z·sqrt(n/(n−p)) for small n; none from fewer than 4 compute values. C in "
+             "PFLOP/s-days (1 = 8.64e19 FLOPs).\n\n")
     show = fit_table[["variant", "form", "runs", "sizes", "A", "A_lo", "A_hi", "alpha",
                       "alpha_lo", "alpha_hi", "E"]]
     text += _md(show)
