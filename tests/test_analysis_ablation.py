@@ -26,6 +26,25 @@ def test_welch_interval_matches_scipy():
     assert (d - h, d + h) == pytest.approx((ci.low, ci.high), rel=1e-10)
 
 
+def test_holm_adjustment_by_hand():
+    """Holm (1979) on [0.01, 0.04, 0.03, NaN]: sorted 0.01·3, 0.03·2, 0.04·1 = 0.03, 0.06, 0.04,
+    made monotone: 0.03, 0.06, 0.06; NaN is not one of the m tests."""
+    np.testing.assert_allclose(abl.holm([0.01, 0.04, 0.03, np.nan]), [0.03, 0.06, 0.06, np.nan], rtol=1e-12)
+    np.testing.assert_allclose(abl.holm([0.6, 0.9]), [1.0, 1.0])  # capped at 1
+
+
+def test_table_p_values_are_welch_and_holm_over_the_variants():
+    """p: Welch's test against the baseline (scipy, 1e-12); p_holm: those p-values with Holm's
+    correction over the compared variants (the baseline is not one of them)."""
+    runs = _runs({"baseline": [1.80, 1.82, 1.81], "full": [1.70, 1.72, 1.71], "block": [1.79, 1.83, 1.80]})
+    t = abl.ablation_table(runs).table.set_index("variant")
+    assert np.isnan(t.loc["baseline", "p"]) and np.isnan(t.loc["baseline", "p_holm"])
+    p_full = stats.ttest_ind([1.70, 1.72, 1.71], [1.80, 1.82, 1.81], equal_var=False).pvalue
+    assert t.loc["full", "p"] == pytest.approx(p_full, rel=1e-12)
+    np.testing.assert_allclose(t.loc[["full", "block"], "p_holm"], abl.holm(t.loc[["full", "block"], "p"]), rtol=1e-12)
+    assert t.loc["full", "p_holm"] == pytest.approx(2 * p_full, rel=1e-12)  # the smaller of 2 tests
+
+
 def _runs(losses: dict[str, list[float]]) -> pd.DataFrame:
     return pd.DataFrame([{"variant": v, "final_val_loss": x}
                          for v, xs in losses.items() for x in xs])

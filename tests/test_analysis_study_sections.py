@@ -251,3 +251,15 @@ def test_arch_replicated_cells_give_verdicts_beyond_seed_noise(tmp_path):
     _, claims = _arch_claims(_arch_runs(loss, seeds, noise), tmp_path)
     ours, verdict = claims["AttnRes prefers deeper, narrower models"]
     assert verdict == "inconclusive" and "within seed noise" in ours
+
+
+@pytest.mark.parametrize("last, verdict", [((0.3, 0.35, 0.4), "does not agree"), ((2.0, 2.2, 2.1), "agrees")])
+def test_dynamics_tests_the_baselines_growth_on_its_own(tmp_path, last, verdict):
+    """The paper's premise, output RMS growing with depth in the baseline, is a claim of its own:
+    growth (last block's output RMS over the first's) against 1, t-interval over the runs."""
+    runs = pd.DataFrame({"run_id": [f"b{i}" for i in range(3)], "variant": "baseline", "seed": range(3)})
+    inst = {f"b{i}": {"output_rms_block": [1.0, 0.8, x], "grad_norm_block": [1.0, 2.0, 3.0]}
+            for i, x in enumerate(last)}
+    section = sec.dynamics_section(runs, inst, tmp_path)
+    claim = next(c for c in section.claims if c.claim.startswith("Output magnitude grows with depth for the baseline"))
+    assert claim.verdict == verdict and "over 3 runs" in claim.ours
