@@ -79,9 +79,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     batch_size, max_batches = args.batch_size, args.max_batches
     if args.as_training:
         train = source.config.get("train") if isinstance(source.config.get("train"), dict) else {}
-        batch_size, max_batches = train.get("micro_batch_size"), train.get("eval_batches")
+        # micro_batch_size null means batch_size, as training reads it (harness/train.py)
+        batch_size = train.get("micro_batch_size") or train.get("batch_size")
+        max_batches = train.get("eval_batches")
         if not batch_size or not max_batches:
-            return _fail(f"--as-training: {args.source} records no train.micro_batch_size / train.eval_batches", 2)
+            return _fail(f"--as-training: {args.source} records no train.batch_size / train.eval_batches", 2)
 
     metrics: dict[str, float] = {}
     artifacts: dict[str, dict] = {}

@@ -195,8 +195,10 @@ class AttnResLM(TemplateLM):
         max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
         temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
         sample = bool(kwargs.pop("do_sample", False)) and temperature > 0
-        keep = max(1, self.max_length - max_new)
-        ids = (self.tok_encode(context) or [self.prefix_token_id])[-keep:]
+        # The whole window of context: each step reads the last max_length tokens anyway, so
+        # reserving room for max_gen_toks (HF's rule) only threw context away; with the default
+        # 256 new tokens and a 128-token model it kept one token of the prompt.
+        ids = (self.tok_encode(context) or [self.prefix_token_id])[-self.max_length:]
         new: list[int] = []
         for _ in range(max_new):
             window = torch.tensor([(ids + new)[-self.max_length:]], dtype=torch.long, device=self.device)

@@ -65,9 +65,13 @@ class GPT2Tokenizer:
         return self._enc.decode([i for i in ids if i < self.vocab_size], errors="ignore")
 
     def token_bytes(self, i: int) -> bytes:
-        return self._enc.decode_single_token_bytes(i) if i < self.vocab_size else b""
+        # End of text is no text: tiktoken answers b"<|endoftext|>" for it, which would count 13
+        # bytes per document in bits per byte (the byte vocabulary's separator counts 1).
+        return self._enc.decode_single_token_bytes(i) if i < self.vocab_size and i != self.eot_id else b""
 
     def label(self, i: int) -> str:
+        if i == self.eot_id:
+            return "<|endoftext|>"
         return _printable(self.token_bytes(i).decode("utf-8", errors="replace"))
 
 

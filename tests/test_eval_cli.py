@@ -80,6 +80,20 @@ def test_as_training_scores_trainings_validation_set(setup, tmp_path):
     assert json.loads(out.read_text())["metrics"]["heldout/tokens"] == 4 * 2 * SEQ  # micro_batch_size × eval_batches
 
 
+def test_as_training_reads_a_null_micro_batch_as_the_batch_size(setup, tmp_path):
+    """train.micro_batch_size null (the default) means batch_size, as training builds its held-out
+    set; --as-training refused such runs."""
+    import attnres
+
+    ck = tmp_path / "ck"
+    attnres.save_pretrained(setup["model"], ck, extra={"data": {"name": "text", "path": str(setup["corpus"])},
+                                                       "train": {"seq_len": SEQ, "batch_size": 3, "micro_batch_size": None,
+                                                                 "eval_batches": 2}})
+    out = tmp_path / "r.json"
+    assert main([str(ck), "--as-training", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["metrics"]["heldout/tokens"] == 3 * 2 * SEQ
+
+
 def test_probe_per_hop_count(setup, tmp_path):
     out = tmp_path / "r.json"
     assert main([str(setup["ck"]), "--probe", "--skip-heldout", "--probe-max-per-hop", "3", "--output", str(out)]) == 0
@@ -215,3 +229,19 @@ def test_runs_are_read_from_run_pys_store_wherever_the_command_starts(setup, cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"run {setup['run_id']}: no MLflow store at sqlite:///" in err, err
     assert list(elsewhere.iterdir()) == [] and not (tmp_path / "empty").exists()
+
+
+def test_gpt2_end_of_text_counts_no_bytes():
+    """Bits per byte counts each token's bytes: tiktoken gives GPT-2's end of text as the 13
+    bytes b"<|endoftext|>", which are not text; it must count 0 (checked with a stub of tiktoken's
+    encoding, which this machine may not have)."""
+    from evaluation.tokenizer import GPT2Tokenizer
+
+    class Encoding:
+        def decode_single_token_bytes(self, i):
+            return b"<|endoftext|>" if i == 50256 else b"ab"
+
+    tok = GPT2Tokenizer.__new__(GPT2Tokenizer)
+    tok._enc, tok.eot_id, tok.vocab_size = Encoding(), 50256, 50257
+    assert tok.token_bytes(50256) == b"" and tok.token_bytes(7) == b"ab" and tok.token_bytes(50300) == b""
+    assert tok.label(50256) == "<|endoftext|>"

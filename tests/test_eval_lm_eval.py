@@ -99,6 +99,21 @@ def test_generate_until_is_greedy_and_stops(model):
         assert cut == [greedy[: greedy.find(stop)]]
 
 
+def test_generate_until_keeps_the_prompt_when_asked_for_more_tokens_than_the_window(model):
+    """max_gen_toks (30) above the model's window (24): each step still conditions on the last 24
+    tokens of prompt + generated text, greedy, as a naive loop does; the prompt was cut to one
+    token before."""
+    lm = AttnResLM(pretrained=model)
+    context = "The quick brown fox jumps over"
+    ids = list(context.encode())
+    for _ in range(30):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids[-lm.max_length:]]))[0][0, -1].argmax()))
+    greedy = bytes(ids[len(context):]).decode("utf-8", errors="ignore")
+    out = lm.generate_until([request("generate_until", (context, {"until": [], "max_gen_toks": 30}))], disable_tqdm=True)
+    assert out == [greedy.split("\x00")[0]]  # byte 0 is end of text: generation stops there
+
+
 def test_tokenizer_choice():
     assert tokenizer_for(256).name == "bytes" and tokenizer_for(512).name == "bytes"
     with pytest.raises(TokenizerError, match="vocab_size=100"):
