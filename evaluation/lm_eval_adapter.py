@@ -142,7 +142,12 @@ class AttnResLM(TemplateLM):
                 _, context, continuation = requests[i]
                 if not continuation:
                     raise ValueError("an empty continuation cannot be scored")
-                whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+                if len(continuation) > self.max_length:
+                    raise ValueError(f"a continuation of {len(continuation)} tokens does not fit the model's "
+                                     f"window of max_length={self.max_length} tokens")
+                # A context that encodes to nothing (lm-eval moves a whitespace-only context's
+                # spaces to the continuation) is conditioned like an empty one: on the prefix token.
+                whole = ((list(context) or [self.prefix_token_id]) + list(continuation))[-(self.max_length + 1):]
                 inputs.append(whole[:-1])
                 spans.append(len(continuation))
             width = max(len(x) for x in inputs)

@@ -83,6 +83,18 @@ def test_rolling_loglikelihood_covers_every_token(model):
     assert got[1] == pytest.approx(total, abs=1e-3)
 
 
+def test_whitespace_only_context_is_conditioned_on_the_prefix_token(model):
+    """("   ", "x"): lm-eval moves the spaces onto the continuation and the context encodes to
+    nothing; it is scored like an empty context (the prefix token, newline for this model), fp32
+    to 1e-4; it failed with a size mismatch. A continuation longer than the window is one clear
+    error."""
+    lm = AttnResLM(pretrained=model)
+    (logprob, _), = lm.loglikelihood([request("loglikelihood", ("   ", "x"))], disable_tqdm=True)
+    assert logprob == pytest.approx(direct_logprob(model, [ord("\n")], list(b"   x"))[0], abs=1e-4)
+    with pytest.raises(ValueError, match="does not fit the model's window of max_length=24"):
+        lm.loglikelihood([request("loglikelihood", ("a", "b" * 30))], disable_tqdm=True)
+
+
 def test_generate_until_is_greedy_and_stops(model):
     lm = AttnResLM(pretrained=model, max_gen_toks=12)
     context = "abc"
