@@ -89,6 +89,10 @@ def test_val_batches_all_and_small():
     assert len(everything) == 25
     windows = torch.cat([x for x, _ in everything])
     assert torch.equal(windows[:, 0], torch.arange(0, 1000, 10) % 256)
+    rest = val_batches(tokens, 3, 10)  # the whole split: 33 batches of 3 and one of 1
+    assert [len(x) for x, _ in rest] == [3] * 33 + [1]
+    assert torch.equal(torch.cat([x for x, _ in rest]), windows)  # the same 100 windows at any batch size
+    assert sum(len(x) for x, _ in val_batches(tokens, 3, 10, max_batches=40)) == 99  # full batches only
     small = val_batches(torch.arange(25), 8, 10)  # two windows: one smaller batch
     assert len(small) == 1 and small[0][0].shape == (2, 10)
     assert val_batches(tokens, 4, 10, max_batches=0) == []

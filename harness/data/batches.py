@@ -112,11 +112,13 @@ def rank_batch_iterator(
 def val_batches(
     tokens: torch.Tensor, batch_size: int, seq_len: int, max_batches: Optional[int] = None
 ) -> list[Batch]:
-    """The fixed held-out set: non-overlapping windows, at most max_batches full batches."""
+    """The fixed held-out set: non-overlapping windows, at most max_batches full batches (evenly
+    spread over the split), or with max_batches None every window of the split, the last batch
+    smaller if they do not fill it (the whole split: its loss does not depend on batch_size)."""
     n = _check(tokens, batch_size, seq_len)
     available = (n - 1) // seq_len
     wanted = available if max_batches is None else min(available, max_batches * batch_size)
-    if wanted >= batch_size:
+    if wanted >= batch_size and max_batches is not None:
         wanted -= wanted % batch_size
     if wanted <= 0:  # max_batches=0: evaluation switched off
         return []
