@@ -131,6 +131,9 @@ class Trainer:
         self._stop_requested = False
         self.stop_reason = "on request"  # set by request_stop: what the job reports
         self.checkpoint_failures = 0
+        # train/loss and train/grad_norm average the steps since the last log: (loss sum, norm
+        # sum, steps), checkpointed so that a run resumed between two logs reports the same mean
+        self.log_window = (0.0, 0.0, 0)
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -146,6 +149,7 @@ class Trainer:
             "last_val": self.last_val,
             "elapsed": self.elapsed,
             "history": self.history,
+            "log_window": self.log_window,
             "rng": rng_state(cuda=self.spec.parallel is None),
             "mlflow_run_id": self.tracker.run_id,  # also in run.json, which exists before step 1
         }
@@ -154,6 +158,7 @@ class Trainer:
         self.parallel.load_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.step, self.best_val, self.last_val = state["step"], state["best_val"], state["last_val"]
         self.elapsed, self.history = state["elapsed"], list(state["history"])
+        self.log_window = tuple(state.get("log_window", (0.0, 0.0, 0)))  # absent before it was kept
         set_rng_state(state["rng"], cuda=self.spec.parallel is None)
 
     def export_model(self) -> torch.nn.Module | None:
@@ -240,8 +245,9 @@ class Trainer:
         batches = self.parallel.train_batches(self.data.train, self.step)  # this rank's micro-batches
         bar = tqdm(total=total, initial=self.step, desc=self.label, unit="step", dynamic_ncols=True,
                    disable=not t.progress or rank() != 0, leave=False)
-        window_loss, window_steps, window_time = 0.0, 0, 0.0
-        window_norm = torch.zeros((), device=self.device)  # read at log time only: no extra sync
+        window_loss, norm_sum, window_steps = self.log_window
+        window_time, timed_steps = 0.0, 0  # tokens/s from the steps timed in this attempt
+        window_norm = torch.full((), norm_sum, device=self.device)  # read at log time only: no extra sync
         started = time.perf_counter() - self.elapsed
         self.model.train()
         try:
@@ -271,13 +277,14 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
                 window_time += time.perf_counter() - tic
+                timed_steps += 1
                 window_loss += step_loss
                 window_norm += norm.detach()
                 window_steps += 1
                 tokens = self.step * spec.tokens_per_step
 
                 if _due(self.step, t.log_interval, total):
-                    tok_s = window_steps * spec.tokens_per_step / max(window_time, 1e-9)
+                    tok_s = timed_steps * spec.tokens_per_step / max(window_time, 1e-9)
                     self.tracker.log_metrics({
                         "train/loss": window_loss / window_steps,
                         "train/lr": lr,
@@ -287,7 +294,7 @@ class Trainer:
                         "train/tokens_per_s": tok_s,
                     }, self.step)
                     bar.set_postfix(loss=f"{window_loss / window_steps:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-                    window_loss, window_steps, window_time = 0.0, 0, 0.0
+                    window_loss, window_steps, window_time, timed_steps = 0.0, 0, 0.0, 0
                     window_norm.zero_()
                 if instrument_now:
                     self._instrument(grad_norms)
@@ -297,6 +304,7 @@ class Trainer:
                 self.elapsed = time.perf_counter() - started
                 stop = self.parallel.stop_now(self._stop_requested)  # the same on every rank
                 if _due(self.step, t.checkpoint_interval, total) or stop:
+                    self.log_window = (window_loss, float(window_norm), window_steps)
                     self._checkpoint()
                 bar.update(1)
                 if self.step == self._kill_at:

@@ -72,3 +72,21 @@ def test_rerunning_a_finished_run_returns_its_result_without_training(resumed):
     (run,) = runs(tmp)
     assert sorted(metric_steps(tmp, run.info.run_id, "train/loss")) == list(range(1, 9))
     assert _final(again) == pytest.approx(_final(finished), abs=1e-4)
+
+
+def test_a_resume_between_two_logs_reports_the_same_training_means(tmp_path):
+    """train/loss and train/grad_norm average the steps since the last log (here every 2 steps);
+    resumed from the step-3 checkpoint, the mean logged at step 4 must still cover steps 3 and 4,
+    exactly as without the interruption (it covered step 4 alone)."""
+    args = [*ARGS, "train.log_interval=2"]
+    plain = run_cli(args, tmp_path / "u")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    killed = run_cli(args, tmp_path / "r", env={"ATTNRES_TEST_KILL_AT_STEP": "5"})
+    assert killed.returncode == 137, killed.stderr[-3000:]
+    again = run_cli(args, tmp_path / "r")
+    assert again.returncode == 0, again.stderr[-3000:]
+    (run_u,), (run_r,) = runs(tmp_path / "u"), runs(tmp_path / "r")
+    for key in ("train/loss", "train/grad_norm"):
+        u = sorted((m.step, m.value) for m in client(tmp_path / "u").get_metric_history(run_u.info.run_id, key))
+        r = sorted((m.step, m.value) for m in client(tmp_path / "r").get_metric_history(run_r.info.run_id, key))
+        assert [s for s, _ in u] == [2, 4, 6, 8] and r == u, key
