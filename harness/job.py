@@ -149,6 +149,9 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
                    multirun: bool, output_dir: str | None, overrides: list) -> float:
     c = spec.cfg
     record = distributed.from_main(folder.record() if folder is not None else None)  # rank 0's decides
+    changed = _data_changed(record, data)
+    if changed:
+        return _bad_input(DataError(changed), multirun, output_dir)
     if record and record.get("status") == "finished":
         if c.tracking.enabled and record.get("mlflow_run_id") and not folder.read_only:  # metrics its server missed
             replay_folder(c.tracking.uri, record["mlflow_run_id"], folder.path)
@@ -165,7 +168,8 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
     if folder is not None:
         folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
-                            tracking_uri=c.tracking.uri if tracker.enabled else None)
+                            tracking_uri=c.tracking.uri if tracker.enabled else None,
+                            data_sha256=data.fingerprint.get("sha256"))
     try:
         trainer = Trainer(spec, data, tracker, folder, label=label)
         if state is not None:
@@ -343,6 +347,18 @@ def _log_start(tracker, spec: RunSpec, plain, data: TokenData, overrides: list) 
                           "mlflow.source.git.commit": provenance.code_state().commit})
     if c.tracking.log_env:
         tracker.log_text(provenance.pip_freeze(), "env/pip_freeze.txt")
+
+
+def _data_changed(record: dict | None, data: TokenData) -> str | None:
+    """Why a recorded run cannot continue or stand for this data, or None. A run folder is keyed
+    by the config, which names the data (a path, a corpus) but not its bytes: a file edited since
+    the run started would be resumed, or answered with the old result, under the old fingerprint.
+    (Records written before the fingerprint was kept are not checked.)"""
+    before, now = (record or {}).get("data_sha256"), data.fingerprint.get("sha256")
+    if not before or not now or before == now:
+        return None
+    return (f"the data changed since this run started (fingerprint {before[:12]}… → {now[:12]}…); "
+            "allowed: the data it started with, or train.resume=false to train it again on this data")
 
 
 def _note_code_change(tracker, c, step: int) -> None:

@@ -90,3 +90,23 @@ def test_a_resume_between_two_logs_reports_the_same_training_means(tmp_path):
         u = sorted((m.step, m.value) for m in client(tmp_path / "u").get_metric_history(run_u.info.run_id, key))
         r = sorted((m.step, m.value) for m in client(tmp_path / "r").get_metric_history(run_r.info.run_id, key))
         assert [s for s, _ in u] == [2, 4, 6, 8] and r == u, key
+
+
+def test_data_edited_since_the_run_started_is_refused_not_resumed(tmp_path):
+    """A run folder is keyed by the config, which names the data file but not its bytes: after the
+    file changed, rerunning the killed run must not resume it on other data under the old
+    fingerprint; one line, exit 2, the checkpoint kept. train.resume=false trains it afresh."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 800)
+    args = [*ARGS, "data=text", f"data.path={corpus}"]
+    killed = run_cli(args, tmp_path, env={"ATTNRES_TEST_KILL_AT_STEP": "5"})
+    assert killed.returncode == 137, killed.stderr[-3000:]
+    corpus.write_text(corpus.read_text().upper())
+    again = run_cli(args, tmp_path)
+    assert again.returncode == 2, again.stderr[-3000:]
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "the data changed since this run started" in errors[0], again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    assert list((tmp_path / "ckpt").rglob("last.pt"))  # nothing lost
+    fresh = run_cli([*args, "train.resume=false"], tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
