@@ -27,7 +27,7 @@ from pathlib import Path
 
 from harness.resolvers import PROJECT_ROOT
 
-SNAPSHOT_SUFFIXES = (".py", ".yaml", ".yml", ".toml", ".md", ".cfg", ".txt")
+SNAPSHOT_SUFFIXES = (".py", ".yaml", ".yml", ".toml", ".md", ".cfg", ".txt", ".c", ".h", ".sh")  # .c/.h: the CPU kernels
 SNAPSHOT_MAX_FILE = 1_000_000  # bytes: data files that happen to be .txt are not code
 
 

@@ -150,6 +150,38 @@ def test_stdlib_max_bytes_caps_both_splits(tmp_path):
     assert data.fingerprint["max_bytes"] == 200_000
 
 
+def test_a_folder_with_one_nonempty_file_splits_it_by_position(tmp_path):
+    """An empty file beside one text file does not make the folder a split by file (which held
+    the only real file out and left 0 training tokens)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    content = bytes(range(32, 127)) * 20
+    (folder / "a.txt").write_bytes(content)
+    (folder / "empty.txt").write_bytes(b"")
+    data = load_data(DataConfig(name="text", path=str(folder), val_fraction=0.1), seq_len=16)
+    cut = len(content) - round(len(content) * 0.1)
+    assert bytes(data.train.tolist()) == content[:cut] and bytes(data.val.tolist()) == content[cut:]
+
+
+def test_a_file_replaced_with_its_size_and_mtime_kept_is_read_again(tmp_path):
+    """The data cache's key: a same-size file put in place with the old mtime (cp -p, rsync -a)
+    must not return the old bytes under the old fingerprint."""
+    import os
+
+    path = tmp_path / "book.txt"
+    path.write_bytes(b"x" * 2000)
+    first = load_data(DataConfig(name="text", path=str(path)), seq_len=16)
+    st = path.stat()
+    replacement = tmp_path / "new.txt"
+    replacement.write_bytes(b"y" * 2000)
+    os.utime(replacement, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(replacement, path)
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_size == st.st_size
+    again = load_data(DataConfig(name="text", path=str(path)), seq_len=16)
+    assert set(again.train.tolist()) == {ord("y")}
+    assert again.fingerprint["sha256"] != first.fingerprint["sha256"]
+
+
 def test_corrupt_cache_entry_is_rebuilt(tmp_path):
     cfg = DataConfig(max_bytes=50_000)
     good = load_data(cfg, seq_len=64)

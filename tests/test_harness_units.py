@@ -275,3 +275,13 @@ def test_default_run_names_carry_the_overrides_that_change_the_run():
                  "+optim.lr=0.01", "train=gpu"]
     assert run_label(c, overrides) == "block-default-s1 model.layers=16 residual.block_size=2 optim.lr=0.01 train=gpu"
     assert run_label(c, []) == "block-default-s1"
+
+
+def test_the_code_snapshot_holds_the_c_kernels():
+    """Each run logs the source it ran (code/source.tar.gz): the CPU kernels are C, compiled at
+    run time, so they are part of it."""
+    from harness import provenance
+
+    names = provenance._source_files()
+    assert "attnres/kernels/csrc/depth_read.c" in names and "attnres/model.py" in names
+    assert any(n.endswith(".h") for n in names if n.startswith("attnres/kernels/csrc/"))

@@ -119,10 +119,13 @@ def load_corpus(
         what = ".py files" if source == "stdlib" else "files"
         raise DataError(f"{root}: empty corpus, no {what} found (data.name={source})")
     stats = [(rel, p.stat()) for rel, p in files]
-    by_position = len(files) == 1
+    by_position = sum(st.st_size > 0 for _, st in stats) == 1  # one file with text (empty ones aside)
+    # Size and mtime alone miss a file replaced by one of the same size with its mtime kept
+    # (cp -p, rsync -a, tar x); the inode and ctime change then.
     key = cache.cache_key({
         "source": source, "root": str(root), "val_fraction": val_fraction, "max_bytes": max_bytes,
-        "utf8": require_utf8, "files": [[rel, st.st_size, st.st_mtime_ns] for rel, st in stats],
+        "utf8": require_utf8,
+        "files": [[rel, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns] for rel, st in stats],
     })
     hit = cache.load(key)
     if hit is not None:
