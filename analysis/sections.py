@@ -327,6 +327,7 @@ def scaling_section(runs: pd.DataFrame, paper: Paper, out: Path, *, n_boot: int,
     text = ""
     if notes:
         text += "Not fitted: " + "; ".join(notes) + ".\n\n"
+    text += _block_count_note(pts)
     deltas = ", ".join(f"{v} {f.delta:.3g}" for v, f in fits.items())
     text += ("Fits: Huber loss on log loss, summed, L-BFGS from a grid of starts, δ = 1.345·σ̂ of "
              f"the residuals (pure form: {deltas}); {int(level * 100)}% percentile intervals from "
@@ -376,6 +377,27 @@ def scaling_section(runs: pd.DataFrame, paper: Paper, out: Path, *, n_boot: int,
         text += ("\nCheck of the fitting code on the paper's own points (compute placed as "
                  "described in `analysis/paper.py`): " + "; ".join(chk) + ".\n")
     return Section(title, text, claims, files)
+
+
+def _block_count_note(pts: pd.DataFrame) -> str:
+    """How many blocks the scaling ladder's Block runs had: the paper keeps N ≈ 8 as it scales, and
+    a shallow ladder with a fixed S may have one or two (with one, Block AttnRes is the standard
+    residual with the embedding as a separate source), which the multiplier below inherits."""
+    block = pts[pts["variant"] == "block"]
+    if block.empty or not {"layers", "block_size"} <= set(block.columns):
+        return ""
+    L = 2 * block["layers"].astype(float)
+    given = block["num_blocks"] if "num_blocks" in block.columns else pd.Series(np.nan, index=block.index)
+    N = np.where(given.notna(), given, np.ceil(L / block["block_size"].astype(float)))
+    counts = sorted({int(n) for n in N if np.isfinite(n)})
+    if not counts:
+        return ""
+    text = f"Block AttnRes runs here have N = {', '.join(map(str, counts))} blocks"
+    if min(counts) < 6:
+        text += (" (the paper keeps N ≈ 8 as it scales; with N = 1 Block AttnRes is the standard "
+                 "residual with the embedding as a separate source), so its points are not the "
+                 "paper's Block at these depths")
+    return text + ".\n\n"
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# The thirteen variant names of the paper's ablation (Table 4) plus Hyper-Connections as an extra
-# peer. They are the file names of conf/residual/ and the values of `residual.name`.
+# Thirteen variant names: the twelve rows of the paper's ablation (Table 4) plus Hyper-Connections
+# (`hc`), an extra peer the paper's table does not have. They are the file names of conf/residual/ and the values of `residual.name`.
 VARIANTS: tuple[str, ...] = (
     "baseline",
     "denseformer",

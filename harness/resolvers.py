@@ -89,6 +89,16 @@ def _cell(key: str, *, _root_: DictConfig) -> Any:
     return cells[cell][key]
 
 
+def block_size_for(blocks: Any, *, _root_: DictConfig) -> int:
+    """`${blocks:N}`: the block size S that splits the model's L = 2·model.layers sublayers into
+    about N blocks, S = max(1, round(L / N)); the last block takes any remainder (paper). The paper
+    fixes N ≈ 8 as it scales depth, where a fixed S would let the block count grow with the model."""
+    layers, n = OmegaConf.select(_root_, "model.layers"), int(blocks)
+    if layers is None or n < 1:
+        raise ValueError(f"${{blocks:{blocks}}} needs model.layers and a positive number of blocks")
+    return max(1, round(2 * int(layers) / n))
+
+
 def launch_now(pattern: str) -> str:
     agreed = os.environ.get("ATTNRES_LAUNCH_TIME")  # harness.launch.LAUNCH_TIME_ENV
     return (datetime.fromtimestamp(float(agreed)) if agreed else datetime.now()).strftime(pattern)
@@ -101,6 +111,7 @@ def register() -> None:
         ("attnres.tracking_uri", lambda: default_tracking_uri()),
         ("arch", _arch),
         ("cell", _cell),
+        ("blocks", block_size_for),
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

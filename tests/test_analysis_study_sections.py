@@ -263,3 +263,14 @@ def test_dynamics_tests_the_baselines_growth_on_its_own(tmp_path, last, verdict)
     section = sec.dynamics_section(runs, inst, tmp_path)
     claim = next(c for c in section.claims if c.claim.startswith("Output magnitude grows with depth for the baseline"))
     assert claim.verdict == verdict and "over 3 runs" in claim.ours
+
+
+def test_scaling_notes_how_many_blocks_its_block_runs_had():
+    """N = ceil(2·layers / S) per Block run; below the paper's N ≈ 8 the section says its Block
+    points are not the paper's Block."""
+    shallow = pd.DataFrame({"variant": ["block", "block", "baseline"], "layers": [2, 4, 2],
+                            "block_size": [4, 4, 4], "num_blocks": [np.nan] * 3})
+    note = sec._block_count_note(shallow)
+    assert note.startswith("Block AttnRes runs here have N = 1, 2 blocks") and "not the paper's Block" in note
+    deep = shallow.assign(layers=[16, 12, 16], block_size=[4, 3, 4])
+    assert sec._block_count_note(deep) == "Block AttnRes runs here have N = 8 blocks.\n\n"

@@ -85,6 +85,26 @@ def test_block_size_sweep_cells_map_onto_the_residual():
         assert spec.cfg.model.layers == 16
 
 
+def test_gpu_scaling_and_arch_sweeps_keep_about_eight_blocks():
+    """PAPER.md: the paper fixes N ≈ 8 blocks as depth grows. The GPU scaling ladder and the
+    architecture grid run Block AttnRes with S = round(L/8) (block_n8), so N stays 7-9 from 24 to
+    40 sublayers where S = 4 gave 6-20; its runs are still the variant `block`."""
+    counts = {}
+    for overrides, cfg in sweep_jobs(["+sweep=scaling_gpu"]) + sweep_jobs(["+sweep=arch_gpu"]):
+        spec = validate(cfg)
+        if spec.cfg.residual.name != "block":
+            continue
+        L, S = 2 * spec.cfg.model.layers, spec.cfg.residual.block_size
+        counts[(spec.cfg.model.name, L)] = -(-L // S)  # whole blocks, the last one may be short
+    assert len(counts) >= 5 + 5 and all(7 <= n <= 9 for n in counts.values()), counts
+
+
+def test_blocks_resolver_by_hand():
+    from harness.resolvers import block_size_for
+
+    assert [block_size_for(8, _root_=OmegaConf.create({"model": {"layers": b}})) for b in (2, 12, 13, 16, 20)] == [1, 3, 3, 4, 5]
+
+
 def test_arch_sweep_shapes_meet_the_parameter_budget():
     for r in (8, 18, 40):
         for h in (0.25, 1.0):
