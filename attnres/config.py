@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 # Thirteen variant names: the twelve rows of the paper's ablation (Table 4) plus Hyper-Connections
-# (`hc`), an extra peer the paper's table does not have. They are the file names of conf/residual/ and the values of `residual.name`.
+# (`hc`), an extra peer the paper's table does not have. They are the values of `residual.name` and
+# the file names of conf/residual/ (which also holds block_n8: Block with about 8 blocks).
 VARIANTS: tuple[str, ...] = (
     "baseline",
     "denseformer",
