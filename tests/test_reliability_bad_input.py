@@ -32,7 +32,8 @@ CASES = {
                                                           "allowed: auto, fp32, bf16"),
     "null for a required value": (["model.layers=null"], "model.layers=null: null is not allowed; allowed: an integer"),
     "an unknown group option": (["residual=blok"], "residual=blok: no option 'blok' in group residual (did you "
-                                                   "mean 'block'?); allowed: baseline, block, block_multihead,"),
+                                                   "mean 'block' or 'block_n8'?); allowed: baseline, block, "
+                                                   "block_multihead,"),
     "a group added without +": (["sweep=ablation"], "sweep=ablation: sweep is not in the defaults list, so it "
                                                     "cannot be overridden; allowed: +sweep=ablation"),
     "an existing key added with +": (["+model.layers=3"], "+model.layers=3: model.layers already exists and + only "
