@@ -373,10 +373,8 @@ def fit_power_law(C, L, form: str = "pure", *, n_boot: int = 1000, seed: int = 0
     best = solve_all_starts(HUBER_DELTA)
     if delta is None:
         delta = scaled_delta(_predict(best[None], x[None], form)[0][0] - y)
-        if delta > HUBER_DELTA:
-            best = solve_all_starts(delta, [best[None]])
-    else:
-        best = solve_all_starts(delta) if delta != HUBER_DELTA else best
+    if delta != HUBER_DELTA:
+        best = solve_all_starts(delta, [best[None]])
     A, alpha, E = (float(v) for v in _to_law(best, logC0, form))
     law = PowerLaw(A, alpha, E)
 
@@ -460,9 +458,7 @@ def fit_shared_exponent(data: dict[str, tuple[np.ndarray, np.ndarray]], *, n_boo
     best = solve(ones, init, HUBER_DELTA)[0]
     if delta is None:
         delta = scaled_delta(np.concatenate([best[j] - best[k] * xs[j] - ys[j] for j in range(k)]))
-        if delta > HUBER_DELTA:
-            best = solve(ones, best, delta)[0]
-    elif delta != HUBER_DELTA:
+    if delta != HUBER_DELTA:
         best = solve(ones, best, delta)[0]
     boot = np.empty((0, k + 1))
     if n_boot > 0 and interval_supported(sum(map(len, xs)), max(spans), k + 1):
