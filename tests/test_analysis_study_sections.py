@@ -1,6 +1,6 @@
 """Sections of the report added for the reference study: the multi-hop probe, the ablation at tuned
 learning rates, and the "what it would take to tell" power analysis
-(analysis/sections.py, analysis/ablation.py), on hand-made run frames."""
+(analysis/sections/, analysis/ablation.py), on hand-made run frames."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,0 +1,128 @@
+"""The architecture section: the d_model/layers × heads/layers grid at a fixed budget (Fig. 7)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from .. import architecture, figures
+from ..paper import Paper
+from .section import Claim, Section, _img, _md, _write
+
+
+def arch_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
+    title = "Architecture (paper Fig. 7)"
+    ours = architecture.grid_from_runs(runs) if len(runs) else None
+    pgrid = paper.fig7_grid()
+    ours_ok = ours is not None and len(ours) > 0
+    files = figures.arch(ours if ours_ok else None, pgrid, out / "figures")
+    rows = []
+    if pgrid is not None:
+        rows += [dict(source="paper", **r)
+                 for r in architecture.optima_table(pgrid).to_dict("records")]
+    if ours_ok:
+        rows += [dict(source="ours", **r)
+                 for r in architecture.optima_table(ours).to_dict("records")]
+        files += _write(ours, out, "fig7_arch_grid")
+    if rows:
+        files += _write(pd.DataFrame(rows), out, "fig7_optima")
+    if not ours_ok:
+        return Section(title, "No architecture sweep among these runs (sweep `arch`); the figure "
+                       "shows the paper's grids only.\n\n" + _img(files, out, "Fig. 7"),
+                       [Claim("AttnRes prefers deeper, narrower models", "no runs", "not tested")],
+                       files)
+    opt = pd.DataFrame(rows)
+    text = _md(opt[["source", "variant", "heads_per_layer", "grid_optimum", "grid_loss",
+                    "refined", "at_edge"]])
+    text += ("\nOptimum: best grid cell, refined by the vertex of a parabola in log(d_model/L_b) "
+             "through it and its two neighbours in the same heads/L_b row.\n\n")
+    claims = []
+    o = opt[opt["source"] == "ours"].set_index("variant")
+    if {"baseline", "block"} <= set(o.index):
+        sigma, dof = architecture.seed_noise(runs)
+        cmp = architecture.compare_cells(ours, "block", sigma=sigma, dof=dof)
+        claims.append(_optimum_claim(ours, o.loc["block"], o.loc["baseline"], sigma, dof))
+        k, n = int((cmp["delta"] < 0).sum()), len(cmp)
+        won, lost = int((cmp["outcome"] == "win").sum()), int((cmp["outcome"] == "loss").sum())
+        repeats = cmp[cmp["nominal"] > 1]
+        collapsed = int((repeats["nominal"] - 1).sum())
+        same = (f"; {collapsed} nominal cell{'s repeat' if collapsed > 1 else ' repeats'} "
+                "another's shape, counted once" if collapsed else "")
+        if not n:
+            claims.append(Claim("AttnRes wins in every cell (25 of 25)", "no shared cells",
+                                "not tested"))
+        elif not dof:
+            claims.append(Claim("AttnRes wins in every cell (25 of 25)",
+                                f"{k} of {n} cells lower by point estimate, one run each and no "
+                                f"seed-noise estimate{same}", "inconclusive"))
+        else:
+            claims.append(Claim("AttnRes wins in every cell (25 of 25)",
+                                f"{won} of {n} cells lower and {lost} higher beyond seed noise "
+                                f"({k} lower by point estimate){same}",
+                                "agrees" if won == n else "does not agree" if lost
+                                else "inconclusive"))
+        text += (f"Block AttnRes has the lower loss in {k} of {n} distinct model shapes both "
+                 f"variants have")
+        if collapsed:
+            # Two nominal cells that trained one model are one comparison, not two.
+            text += (f" ({n + collapsed} nominal cells: rounding to whole layers and heads made "
+                     + "; ".join(f"cells {r.cells} (d_model/L_b / heads/L_b) one model, "
+                                 f"{r.shape}" for r in repeats.itertuples())
+                     + ", counted once)")
+        text += ".\n\n"
+        if n and dof:
+            text += (f"Seed noise from the shapes trained with two or more seeds: σ = "
+                     f"{sigma:.4f} ({dof} degrees of freedom). A cell is a win or a loss only "
+                     "when its difference exceeds the 95% interval t·σ·√(1/n_block + "
+                     f"1/n_baseline): {won} wins, {lost} losses, {n - won - lost} within noise. "
+                     "An optimum is resolved only when each variant's own best cell beats its "
+                     "loss at the other variant's best cell by more than that interval.\n\n")
+        elif n:
+            d = cmp["delta"].abs()
+            text += (f"Every cell is one run (one seed), and no shape among these runs was trained "
+                     f"with two or more seeds, so they carry no estimate of seed noise: the "
+                     f"differences (|Δ| {d.min():.3f} to {d.max():.3f}) and the optima are point "
+                     "estimates, and both verdicts are *inconclusive*. A few cells run with more "
+                     "seeds would give the grid its noise floor.\n\n")
+    return Section(title, text + _img(files, out, "Fig. 7"), claims, files)
+
+
+def _optimum_claim(grid: pd.DataFrame, a, b, sigma: float, dof: int) -> Claim:
+    """Block's optimum (``a``) against the baseline's (``b``), each one cell of a grid.
+
+    The location of an optimum is only as sure as its margin: the claim needs each variant's own
+    best cell to beat that variant's loss at the *other* variant's best cell by more than the
+    seed-noise interval t·σ·√(1/n₁ + 1/n₂); otherwise either optimum could sit in the other's
+    cell and the direction is *inconclusive*, as it is without a noise estimate at all."""
+    name = "AttnRes prefers deeper, narrower models (optimum d_model/L_b 45 vs 60)"
+    where = (f"block {a.grid_optimum:g} (refined {a.refined:.1f}) vs baseline "
+             f"{b.grid_optimum:g} (refined {b.refined:.1f})")
+    if a.grid_optimum == b.grid_optimum:
+        return Claim(name, where + "; the same grid column", "inconclusive")
+    if not dof:
+        return Claim(name, where + "; grid point estimates, one run per cell and no seed-noise "
+                     "estimate", "inconclusive")
+    X, Y = architecture.X, architecture.Y
+    t = stats.t.ppf(0.975, dof)
+
+    def cell(v, opt):
+        c = grid[(grid["variant"] == v) & np.isclose(grid[Y], opt.heads_per_layer)
+                 & np.isclose(grid[X], opt.grid_optimum)]
+        return (float(c["loss"].iloc[0]), float(c["seeds"].iloc[0] if "seeds" in c
+                                                else c["n"].iloc[0])) if len(c) else None
+
+    gaps = []
+    for v, own, other in (("block", a, b), ("baseline", b, a)):
+        mine, theirs = cell(v, own), cell(v, other)
+        if mine is None or theirs is None:
+            return Claim(name, where + f"; {v} has no run in the other optimum's cell",
+                         "inconclusive")
+        gaps.append((v, theirs[0] - mine[0], t * sigma * np.sqrt(1 / mine[1] + 1 / theirs[1])))
+    clear = all(g > h for _, g, h in gaps)
+    verdict = (("agrees" if a.grid_optimum < b.grid_optimum else "does not agree") if clear
+               else "inconclusive")
+    margins = ", ".join(f"{v} {g:.4f} ± {h:.4f}" for v, g, h in gaps)
+    return Claim(name, f"{where}; margin of each optimum over the other's cell: {margins}"
+                 + ("" if clear else " (within seed noise)"), verdict)

@@ -1,0 +1,76 @@
+"""What every section of REPORT.md is made of: a Section (its Markdown, files and the Claims of the
+paper it checks), the verdict rule, and the writers of its tables and figure links.
+
+Verdicts follow one rule everywhere: a claim of the paper *agrees* when our runs show the same
+direction with a 95% interval (or a 5%-level test) that excludes the opposite, *does not agree*
+when they show the opposite direction at that level, and is *inconclusive* otherwise. Where only a
+point estimate exists the verdict is *inconclusive* and the claim says why: the cells of Fig. 7
+are one run each, so a cell counts as a win or a loss, and an optimum as located, only beyond a
+seed-noise interval, which needs shapes trained with several seeds among the runs; the depth
+weights of Fig. 8 are one number per run, with an interval only over two or more runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .. import ablation as abl
+
+
+@dataclass
+class Claim:
+    claim: str
+    ours: str
+    verdict: str  # agrees | does not agree | inconclusive | not tested
+
+
+@dataclass
+class Section:
+    title: str
+    text: str
+    claims: list[Claim] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+
+def _rel(paths, out: Path):
+    return [Path(p).relative_to(out).as_posix() for p in paths]
+
+
+def _img(paths, out, alt):
+    png = [p for p in _rel(paths, out) if p.endswith(".png")]
+    return f"![{alt}]({png[0]})\n\n" if png else ""
+
+
+def _f(x, d=4):
+    return "–" if x is None or not np.isfinite(x) else f"{x:.{d}f}"
+
+
+def _verdict(lo, hi, better_is_negative=True):
+    """Agreement from an interval of a quantity whose expected sign is negative (or positive)."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "inconclusive"
+    if better_is_negative:
+        return "agrees" if hi < 0 else "does not agree" if lo > 0 else "inconclusive"
+    return "agrees" if lo > 0 else "does not agree" if hi < 0 else "inconclusive"
+
+
+def _md(df: pd.DataFrame) -> str:
+    """Markdown with floats at 4 significant digits and missing values as a dash."""
+    def cell(x):
+        if isinstance(x, float):
+            return "–" if not np.isfinite(x) else f"{x:.4g}"
+        return "–" if x is None else x
+
+    return abl.to_markdown(df.apply(lambda c: c.map(cell)))
+
+
+def _write(df: pd.DataFrame, out: Path, stem: str) -> list[Path]:
+    """A section's table as CSV (6 significant digits) and Markdown, under out/tables/."""
+    paths = [out / "tables" / f"{stem}.csv", out / "tables" / f"{stem}.md"]
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(paths[0], index=False, float_format="%.6g")
+    paths[1].write_text(_md(df))
+    return paths
