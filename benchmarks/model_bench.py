@@ -52,11 +52,16 @@ from harness import malloc  # noqa: E402  (the allocator settings training runs 
 # 2 heads, d_ff 192; conf/train/default.yaml: batch 16 × 128, byte vocabulary) with
 # model.layers=16, the shape the issue's CPU bars are stated for; "d128" the wider CPU shape the
 # first measurements used (d_model 128, 4 heads, batch 16 × 256); "194m" the paper's smallest model
-# as the harness's dense preset (conf/model/194m.yaml), one micro-batch of 4 × 8192.
+# as the harness's dense preset (conf/model/194m.yaml), one micro-batch of 4 × 8192. `blocks`: the
+# Block variants' block count N (S = round(2·layers/N)); None keeps each variant's S = 4 (the CPU
+# sweeps' choice), 8 is the paper's N and the GPU sweeps' (conf/residual/block_n8.yaml).
 PRESETS = {
-    "default": dict(model=dict(d_model=64, layers=16, n_heads=2, d_ff=192, vocab_size=256), batch=16, seq_len=128),
-    "d128": dict(model=dict(d_model=128, layers=16, n_heads=4, d_ff=352, vocab_size=256), batch=16, seq_len=256),
-    "194m": dict(model=dict(d_model=896, layers=12, n_heads=14, d_ff=3584, vocab_size=256), batch=4, seq_len=8192),
+    "default": dict(model=dict(d_model=64, layers=16, n_heads=2, d_ff=192, vocab_size=256), batch=16, seq_len=128,
+                    blocks=None),
+    "d128": dict(model=dict(d_model=128, layers=16, n_heads=4, d_ff=352, vocab_size=256), batch=16, seq_len=256,
+                 blocks=None),
+    "194m": dict(model=dict(d_model=896, layers=12, n_heads=14, d_ff=3584, vocab_size=256), batch=4, seq_len=8192,
+                 blocks=8),
 }
 
 
@@ -135,6 +140,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, help="model.layers (Transformer blocks); default: 16 for 'default'")
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--blocks", type=int, help="Block variants with about this many blocks, S = round(2·layers/N) "
+                    "(default: the preset's: 8 for 194m as the paper, else each variant's S = 4)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
@@ -156,6 +163,10 @@ def main(argv=None) -> dict:
         mcfg["layers"] = args.layers
     batch, seq_len = args.batch or preset["batch"], args.seq_len or preset["seq_len"]
     cfg = ModelConfig(max_seq_len=seq_len, **mcfg)
+    blocks = preset["blocks"] if args.blocks is None else args.blocks
+    if blocks is not None and blocks < 1:
+        ap.error(f"--blocks {blocks}: the number of blocks must be at least 1")
+    block_size = None if blocks is None else max(1, round(2 * cfg.layers / blocks))
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -171,7 +182,8 @@ def main(argv=None) -> dict:
     for v in variants:
         torch.manual_seed(0)
         try:
-            model = DecoderLM(cfg, ResidualConfig(name=v)).to(device)
+            knobs = {} if block_size is None else dict(block_size=block_size)
+            model = DecoderLM(cfg, ResidualConfig(name=v, **knobs)).to(device)
         except ValueError as e:  # a variant that does not fit the shape (block size > sublayers, …)
             ap.error(f"--variants {v}: {e}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # a small lr keeps the model stable over rounds
@@ -203,49 +215,56 @@ def main(argv=None) -> dict:
     cpu_times = {v: [] for v in variants}
     cpu_ratios = {v: [] for v in variants}
     warmup_s, rounds, stage, t = {}, 0, "first round", time.perf_counter()
-    try:
-        for v in variants:  # with --compile, the first step compiles: its time says what a budget needs
-            stage, t = f"warm-up of {v}", time.perf_counter()
-            for _ in range(args.warmup):
-                timed(v)
-            warmup_s[v] = round(time.perf_counter() - t, 2)
-        stage, t = "first round", time.perf_counter()
-        for r in range(args.rounds):
-            order = variants[r % len(variants):] + variants[: r % len(variants)]
-            got = {v: timed(v) for v in order}
-            for v in variants:
-                times[v].append(got[v][0])
-                ratios[v].append(got[v][0] / got["baseline"][0])
-                cpu_times[v].append(got[v][1])
-                cpu_ratios[v].append(got[v][1] / got["baseline"][1])
-            rounds += 1
-    except KeyboardInterrupt:
-        if rounds == 0:
-            print(f"model_bench: interrupted in the {stage} after {time.perf_counter() - t:.0f} s "
-                  f"(warm-ups done, s: {warmup_s}); no rounds to report", file=sys.stderr)
-            raise SystemExit(130) from None
-        print(f"# interrupted: reporting the {rounds} of {args.rounds} rounds done, no memory pass", file=sys.stderr)
-        args.no_memory = True
+    try:  # SIGTERM stays an interrupt until the memory pass is done: a time limit keeps the rounds
+        try:
+            for v in variants:  # with --compile, the first step compiles: its time says what a budget needs
+                stage, t = f"warm-up of {v}", time.perf_counter()
+                for _ in range(args.warmup):
+                    timed(v)
+                warmup_s[v] = round(time.perf_counter() - t, 2)
+            stage, t = "first round", time.perf_counter()
+            for r in range(args.rounds):
+                order = variants[r % len(variants):] + variants[: r % len(variants)]
+                got = {v: timed(v) for v in order}
+                for v in variants:
+                    times[v].append(got[v][0])
+                    ratios[v].append(got[v][0] / got["baseline"][0])
+                    cpu_times[v].append(got[v][1])
+                    cpu_ratios[v].append(got[v][1] / got["baseline"][1])
+                rounds += 1
+        except KeyboardInterrupt:
+            if rounds == 0:
+                print(f"model_bench: interrupted in the {stage} after {time.perf_counter() - t:.0f} s "
+                      f"(warm-ups done, s: {warmup_s}); no rounds to report", file=sys.stderr)
+                raise SystemExit(130) from None
+            print(f"# interrupted: reporting the {rounds} of {args.rounds} rounds done, no memory pass", file=sys.stderr)
+            args.no_memory = True
+
+        memory = {}
+        try:
+            if not args.no_memory:
+                for v in variants:
+                    run = runs[v]
+                    static = state_bytes(run["model"], run["opt"])
+                    if cuda:
+                        torch.cuda.synchronize()
+                        before = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                        run["step"]()
+                        torch.cuda.synchronize()
+                        memory[v] = static + torch.cuda.max_memory_allocated() - before
+                    else:
+                        memory[v] = static + cpu_peak_bytes(run["step"])
+        except KeyboardInterrupt:
+            print(f"# interrupted in the memory pass: reporting the {rounds} rounds, no memory figures",
+                  file=sys.stderr)
+            memory = {}
     finally:
         signal.signal(signal.SIGTERM, sigterm)
 
-    memory = {}
-    if not args.no_memory:
-        for v in variants:
-            run = runs[v]
-            static = state_bytes(run["model"], run["opt"])
-            if cuda:
-                torch.cuda.synchronize()
-                before = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                run["step"]()
-                torch.cuda.synchronize()
-                memory[v] = static + torch.cuda.max_memory_allocated() - before
-            else:
-                memory[v] = static + cpu_peak_bytes(run["step"])
-
     def q(xs, p):
-        return statistics.quantiles(xs, n=4)[p] if len(xs) > 1 else xs[0]
+        # "inclusive": quartiles within the data (the default extrapolates past it with few rounds)
+        return statistics.quantiles(xs, n=4, method="inclusive")[p] if len(xs) > 1 else xs[0]
 
     rows = []
     for v in variants:
@@ -259,11 +278,12 @@ def main(argv=None) -> dict:
         rows.append(row)
 
     info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
-                seq_len=seq_len, rounds=rounds, warmup=args.warmup, warmup_seconds=warmup_s, compile=args.compile,
-                autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
+                seq_len=seq_len, block_size=block_size, rounds=rounds, warmup=args.warmup, warmup_seconds=warmup_s,
+                compile=args.compile, autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
                 keep_freed_memory=kept, rows=rows)
     print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
           f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "
+          f"block size {block_size or 'per variant'}, "
           f"{rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}; warm-up s {warmup_s}")
     cpu_cols = f" {'cpu ms':>8s} {'cpu ratio':>9s} {'(IQR)':>15s}" if not cuda else ""
     print(f"{'variant':18s} {'step ms':>9s} {'time ratio':>10s} {'(IQR)':>15s}{cpu_cols} {'peak MiB':>9s} {'mem ratio':>9s}")

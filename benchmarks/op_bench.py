@@ -126,6 +126,8 @@ def bench(fn, inputs, reps, warmup, cuda):
     times = []
     peak = None
     if cuda:
+        for t in leaves:  # the last warm-up step's gradients are the step's output, not an input
+            t.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

@@ -17,10 +17,20 @@ import model_bench  # noqa: E402
 import op_bench  # noqa: E402
 
 
-def test_model_bench_writes_ratios_to_the_baseline(tmp_path, capsys):
+def test_model_bench_writes_ratios_to_the_baseline(tmp_path, capsys, monkeypatch):
+    built = {}
+
+    def recording(cfg, residual):  # which residual each model is built with
+        built[residual.name] = residual
+        return model_bench_model(cfg, residual)
+
+    model_bench_model = model_bench.DecoderLM
+    monkeypatch.setattr(model_bench, "DecoderLM", recording)
     out = tmp_path / "mb.json"
-    info = model_bench.main(["--variants", "block,mhc", "--layers", "2", "--batch", "2", "--seq-len", "16",
-                             "--rounds", "2", "--warmup", "1", "--threads", "1", "--json", str(out)])
+    info = model_bench.main(["--variants", "block,mhc", "--layers", "3", "--blocks", "2", "--batch", "2",
+                             "--seq-len", "16", "--rounds", "2", "--warmup", "1", "--threads", "1", "--json", str(out)])
+    # --blocks 2 at 6 sublayers: S = 3 for Block, in the model and in the record
+    assert built["block"].block_size == 3 and info["block_size"] == 3
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["baseline", "block", "mhc"] and rows == {r["variant"]: r for r in info["rows"]}
     assert rows["baseline"]["ratio"] == 1.0 and rows["baseline"]["memory_ratio"] == 1.0
@@ -157,6 +167,7 @@ def test_cpu_kernel_bench_floor_skips_every_kernel_call_then_restores_them(capsy
 @pytest.mark.parametrize("main, argv, message", [
     (model_bench.main, ["--variants", "block,nope"], "--variants: unknown nope; allowed: baseline,"),
     (model_bench.main, ["--variants", "block", "--layers", "1"], "--variants block: residual.block_size=4 must be"),
+    (model_bench.main, ["--variants", "block", "--blocks", "0"], "--blocks 0: the number of blocks must be at least 1"),
     (op_bench.main, ["--only", "nope", "--tokens", "8", "--d", "8"], "--only: no implementation 'nope' here; allowed:"),
 ])
 def test_bad_arguments_exit_2_with_one_error_line(main, argv, message, capsys, tmp_path):
@@ -180,3 +191,59 @@ def test_gpu_check_script_runs_under_the_triton_interpreter():
     lines = r.stdout.splitlines()
     assert lines[-1] == "ALL OK" and not any(line.startswith("FAIL") for line in lines)
     assert sum(line.startswith("ok ") for line in lines) == 2 * 8 * 2 + 5 * 2 + 2  # reads, schedules, training
+
+
+def test_op_bench_peak_memory_is_measured_above_the_inputs_alone(monkeypatch):
+    """The CUDA peak is taken above the memory allocated before the timed steps: that level must
+    hold the inputs only, not the gradients the last warm-up step left on them (at the GPU shape,
+    33 x 16k x 2048 bf16 = 2.1 GiB, which would be subtracted from every implementation's peak)."""
+    import torch
+
+    inputs = op_bench.make_inputs(4, 32, 16, torch.float32, torch.device("cpu"))
+    leaves = [inputs[0], *inputs[1], inputs[2], inputs[3]]
+    grads_at_base = []
+
+    class Event:
+        def __init__(self, **kwargs):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    def memory_allocated():
+        grads_at_base.append([t.grad is not None for t in leaves])
+        return 0
+
+    for name, fake in dict(synchronize=lambda: None, reset_peak_memory_stats=lambda: None,
+                           max_memory_allocated=lambda: 0, memory_allocated=memory_allocated, Event=Event).items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    op_bench.bench(op_bench.reference(op_bench.depth_read, 2), inputs, reps=1, warmup=1, cuda=True)
+    assert grads_at_base == [[False] * len(leaves)]
+
+
+def test_model_bench_stopped_in_its_memory_pass_still_reports_the_rounds(tmp_path):
+    """run_gpu.sh's time limit (SIGTERM) landing in the memory pass, after every round was timed:
+    the table and the JSON of the rounds are written, without memory figures (not a process
+    killed by SIGTERM's default action with nothing written)."""
+    import subprocess
+
+    out = tmp_path / "mb.json"
+    script = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import model_bench\n"
+        "real = model_bench.state_bytes\n"
+        "def state_bytes(*args):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(*args)\n"
+        "model_bench.state_bytes = state_bytes\n"
+        "model_bench.main(['--variants', 'block', '--layers', '2', '--batch', '2', '--seq-len', '16', '--rounds', '2',\n"
+        f"                 '--warmup', '1', '--threads', '1', '--json', {str(out)!r}])\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads(out.read_text())
+    assert info["rounds"] == 2 and all(r["step_ms"] > 0 and "peak_mib" not in r for r in info["rows"])
+    assert "interrupted in the memory pass" in r.stderr
