@@ -60,6 +60,14 @@ CASES = {
                                                           "hydra.sweeper.sampler.name=bogus", "optim.lr=interval(1e-3,1e-2)",
                                                           "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
                                                          "attnres_optuna sweeper: hydra.sweeper.sampler.name='bogus' is not one of"),
+    "an Optuna storage URL of no known database": (["-m", "hydra/sweeper=attnres_optuna", "optim.lr=interval(1e-3,1e-2)",
+                                                    "hydra.sweeper.storage=postgres://user@127.0.0.1:1/db"],
+                                                   ("hydra.sweeper.storage='postgres://user@127.0.0.1:1/db' is not a "
+                                                    "database URL (unknown database kind")),
+    "a wrong Optuna sampler keyword": (["-m", "hydra/sweeper=attnres_optuna", "optim.lr=interval(1e-3,1e-2)",
+                                        "+hydra.sweeper.sampler.kwargs.n_startup_trails=3",
+                                        "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
+                                       "unexpected keyword argument 'n_startup_trails'"),
 }
 
 

@@ -359,3 +359,81 @@ def test_a_worker_that_loses_the_race_for_the_last_trial_voids_it_without_a_job(
     assert trials[2].user_attrs == {VOID_ATTR: "surplus"}
     assert Ledger.of(trials).done + Ledger.of(trials).running == 2
     storage.engine.dispose()
+
+
+# -- seeds, grids, resumed studies ----------------------------------------------------------------
+
+
+def _seeded(name="tpe", seed=0, arguments=("optim.lr=tag(log,interval(1e-4,1e-1))",)):
+    conf = AttnresOptunaSweeperConf()
+    conf.sampler.name, conf.sampler.seed = name, seed
+    sweep = plan(*arguments)
+    return sweep, make_sampler(conf.sampler, sweep.dimensions)
+
+
+@pytest.mark.parametrize("name", ["tpe", "random"])
+def test_a_seeded_study_continued_by_a_new_process_samples_new_points(name):
+    """A rerun (after Ctrl-C, or with a larger n_trials) makes a new sampler with the same seed; it
+    must not hand the study its first trials' points again (the harness would answer them with the
+    recorded result, or a second worker's copy with RunBusy). Trial n of every cell stays the same."""
+    sweep, sampler = _seeded(name)
+    study = optuna.create_study(sampler=sampler)
+    for _ in range(3):
+        trial = study.ask(sweep.distributions)
+        study.tell(trial, 1.0)
+    first = [t.params["optim.lr"] for t in study.trials]
+
+    resumed = optuna.load_study(study_name=study.study_name, storage=study._storage,
+                                sampler=_seeded(name)[1])
+    again = [resumed.ask(sweep.distributions).params["optim.lr"] for _ in range(3)]
+    assert not set(again) & set(first)
+    other_cell = optuna.create_study(sampler=_seeded(name)[1])
+    assert [other_cell.ask(sweep.distributions).params["optim.lr"] for _ in range(3)] == first
+
+
+def test_the_grid_sampler_runs_an_interrupted_point_again():
+    """A void trial's grid point (interrupted, a dead worker's) was never evaluated: the slot that
+    replaces it must run that point, not repeat a finished one."""
+    sweep, sampler = _seeded("grid", 1, ("optim.lr=choice(0.0001,0.001,0.01,0.1)",))
+    study = optuna.create_study(sampler=sampler)
+    for number in range(4):
+        trial = study.ask(sweep.distributions)
+        if number == 1:
+            trial.set_user_attr(VOID_ATTR, "interrupted")
+            study.tell(trial, state=TrialState.FAIL)
+        else:
+            study.tell(trial, 1.0)
+    trial = study.ask(sweep.distributions)
+    assert trial.params["optim.lr"] == study.trials[1].params["optim.lr"]
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_study_continues_whatever_the_order_of_its_fixed_overrides(tmp_path):
+    from hydra_plugins.attnres_optuna_sweeper._runner import SweepRunner
+    from hydra_plugins.attnres_optuna_sweeper._storage import open_storage
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'optuna.db'}", heartbeat_interval=60, grace_period=None)
+    runner = object.__new__(SweepRunner)
+    runner.settings = AttnresOptunaSweeperConf()
+    lr = "optim.lr=interval(1e-4,1e-2)"
+    runner._open_study("s", plan("model.layers=8", "train.tokens=1000", lr), storage, [])
+    _, created = runner._open_study("s", plan("train.tokens=1000", "model.layers=8", lr), storage, [])
+    assert not created
+    with pytest.raises(SweeperConfigError, match="would not be comparable"):
+        runner._open_study("s", plan("train.tokens=1000", "model.layers=4", lr), storage, [])
+    storage.engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("postgres://user:secret@host/db", "'postgres://user:\\*\\*\\*@host/db' is not a database URL"),
+        ("sqlit:///optuna.db", "unknown database kind"),
+        ("sqlite:////proc/no/such/optuna.db", "cannot create its folder"),
+    ],
+)
+def test_a_bad_storage_url_is_one_clear_line(tmp_path, url, message):
+    from hydra_plugins.attnres_optuna_sweeper._storage import resolve_url
+
+    with pytest.raises(SweeperConfigError, match=message):
+        resolve_url(url, tmp_path)

@@ -239,7 +239,8 @@ class SweepRunner:
                     f"not {s.direction}: set hydra.sweeper.study_name to start a new study"
                 ) from None
             started_with = study.user_attrs.get(_FIXED_ATTR)
-            before, now = _identity(started_with or []), _identity(plan.fixed)
+            # Sorted: the order of the overrides on the command line changes nothing.
+            before, now = sorted(_identity(started_with or [])), sorted(_identity(plan.fixed))
             if started_with is not None and before != now:
                 raise SweeperConfigError(
                     f"study {name} was started with the overrides {before}, this command gives {now}: their "

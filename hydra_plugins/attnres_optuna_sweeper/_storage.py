@@ -38,7 +38,12 @@ from typing import Any, ContextManager
 import optuna
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError, ProgrammingError
+from sqlalchemy.exc import (
+    ArgumentError,
+    IntegrityError,
+    NoSuchModuleError,
+    ProgrammingError,
+)
 
 from .config import SweeperConfigError
 
@@ -50,13 +55,19 @@ def resolve_url(storage: str | None, base_dir: Path) -> str:
     """The storage URL to use, with a relative SQLite path made absolute against ``base_dir``."""
     url = storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
     try:
-        make_url(url)
-    except ArgumentError:
+        make_url(url).get_dialect()  # an unknown database kind (`postgres://`, a typo) too
+    except ArgumentError as error:  # NoSuchModuleError is one
+        reason = "unknown database kind; " if isinstance(error, NoSuchModuleError) else ""
         raise SweeperConfigError(
-            f"hydra.sweeper.storage={url!r} is not a database URL "
-            "(e.g. sqlite:///optuna.db or postgresql://user@host/db)"
+            f"hydra.sweeper.storage={redact(url)!r} is not a database URL ({reason}"
+            "e.g. sqlite:///optuna.db or postgresql://user@host/db)"
         ) from None
-    return absolute_sqlite(url, base_dir)
+    try:
+        return absolute_sqlite(url, base_dir)
+    except OSError as error:
+        raise SweeperConfigError(
+            f"hydra.sweeper.storage={redact(url)!r}: cannot create its folder ({error})"
+        ) from None
 
 
 def absolute_sqlite(url: str, base_dir: Path) -> str:

@@ -3,6 +3,12 @@
 Design decisions:
 * A fresh sampler per study. Samplers carry state (random generator, CMA-ES's population), and a
   seeded sampler per study means every grid cell starts from the same points.
+* **A seeded sampler draws trial n from the seed (seed, n)**, not from one stream that starts at
+  the seed in every process. A stream restarted by every process would hand a resumed or extended
+  study (a rerun after Ctrl-C, a larger n_trials) the points of its first trials again, and two
+  workers with the same seed the same points at once (the harness then answers a repeated config
+  with its recorded result, or refuses it as busy). Trial numbers are unique in a study, so each
+  trial gets its own draws, and trial n of every grid cell still gets the same ones.
 * The grid sampler is bounded by the sweeper, not by Optuna: the sweeper caps ``n_trials`` at the
   grid's size, and the sampler's own "grid exhausted" hook is switched off, because it calls
   ``Study.stop()``, which raises outside ``Study.optimize`` (the sweeper uses ask/tell).
@@ -19,7 +25,9 @@ from typing import Any, Callable
 import optuna
 from optuna.pruners import BasePruner
 from optuna.samplers import BaseSampler
+from optuna.trial import TrialState
 
+from ._ledger import counts
 from ._space import Dimension
 from .config import PrunerConf, SamplerConf, SweeperConfigError
 
@@ -30,12 +38,72 @@ class _BoundedGridSampler(optuna.samplers.GridSampler):
         # Study.stop(), which only works inside Study.optimize.
         return None
 
+    def _get_unvisited_grid_ids(self, study: Any) -> list[int]:
+        # Optuna takes every finished trial's point as visited, a void one too (interrupted, a dead
+        # worker's, surplus: FAIL without attnres.failure). Its point was never evaluated: it must
+        # be run again, not replaced by a repeat of a finished point.
+        visited, running = set(), set()
+        for t in study._storage.get_all_trials(study._study_id, deepcopy=False):
+            if "grid_id" not in t.system_attrs or not self._same_search_space(
+                t.system_attrs["search_space"]
+            ):
+                continue
+            if t.state == TrialState.RUNNING:
+                running.add(t.system_attrs["grid_id"])
+            elif t.state.is_finished() and counts(t):
+                visited.add(t.system_attrs["grid_id"])
+        every = set(range(self._n_min_trials))
+        return sorted(every - visited - running) or sorted(every - visited)
+
 
 def grid_size(dimensions: tuple[Dimension, ...]) -> int:
     return math.prod(len(d.grid_values()) for d in dimensions)
 
 
+class _PerTrialSeedSampler(BaseSampler):
+    """The sampler ``build(seed)`` makes, made afresh for each trial with the seed (seed, number)."""
+
+    def __init__(self, build: Callable[[int], BaseSampler], seed: int) -> None:
+        self._build, self._seed = build, seed
+        self._inner = build(trial_seed(seed, 0))
+
+    def before_trial(self, study: Any, trial: Any) -> None:
+        self._inner = self._build(trial_seed(self._seed, trial.number))
+        self._inner.before_trial(study, trial)
+
+    def infer_relative_search_space(self, study: Any, trial: Any) -> Any:
+        return self._inner.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study: Any, trial: Any, search_space: Any) -> Any:
+        return self._inner.sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study: Any, trial: Any, name: str, distribution: Any) -> Any:
+        return self._inner.sample_independent(study, trial, name, distribution)
+
+    def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+        self._inner.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self._inner.reseed_rng()
+
+
+def trial_seed(seed: int, number: int) -> int:
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed % 2**32, number]).generate_state(1)[0])
+
+
 def make_sampler(conf: SamplerConf, dimensions: tuple[Dimension, ...]) -> BaseSampler:
+    if conf.seed is None or conf.name == "grid":
+        # The grid sampler's seed shuffles the grid: a grid id names one point only under one seed.
+        return _make_sampler(conf, dimensions, conf.seed)
+    _make_sampler(conf, dimensions, conf.seed)  # bad options are refused here, not at the 1st trial
+    return _PerTrialSeedSampler(lambda seed: _make_sampler(conf, dimensions, seed), conf.seed)
+
+
+def _make_sampler(
+    conf: SamplerConf, dimensions: tuple[Dimension, ...], seed: int | None
+) -> BaseSampler:
     kwargs: dict[str, Any] = dict(conf.kwargs)
     if conf.name in ("tpe", "gp", "cmaes") and conf.n_startup_trials is not None:
         kwargs["n_startup_trials"] = conf.n_startup_trials
@@ -50,8 +118,8 @@ def make_sampler(conf: SamplerConf, dimensions: tuple[Dimension, ...]) -> BaseSa
         raise SweeperConfigError("sampler cmaes needs the 'cmaes' package: pip install cmaes")
     if conf.name == "grid":
         space = {d.name: d.grid_values() for d in dimensions}
-        return _construct("sampler", _BoundedGridSampler, space, seed=conf.seed, **kwargs)
-    return _construct("sampler", factories[conf.name], seed=conf.seed, **kwargs)
+        return _construct("sampler", _BoundedGridSampler, space, seed=seed, **kwargs)
+    return _construct("sampler", factories[conf.name], seed=seed, **kwargs)
 
 
 def make_pruner(conf: PrunerConf) -> BasePruner:

@@ -54,8 +54,9 @@ class SweepAborted(CompactHydraException):
 class SamplerConf:
     # tpe (default) | gp | cmaes (needs the `cmaes` package) | random | grid (choice/range only)
     name: str = "tpe"
-    # One seed per study: every grid cell then starts from the same points, which is what a
-    # fair per-variant comparison wants. Workers sharing one study should use different seeds.
+    # Trial n of every study draws from (seed, n): every grid cell then starts from the same points,
+    # which is what a fair per-variant comparison wants, and a resumed study or a second worker
+    # never repeats earlier trials' points (_strategy).
     seed: Optional[int] = None
     # Random trials before the model-based samplers take over (null: Optuna's default).
     n_startup_trials: Optional[int] = None

@@ -37,7 +37,9 @@ class AttnresOptunaSweeper(Sweeper):
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         from ._runner import compose_jobs, study_prefix
-        from ._space import build_plan
+        from ._space import build_plan, enqueued_points
+        from ._storage import base_directory, resolve_url
+        from ._strategy import make_pruner, make_sampler
 
         merged = OmegaConf.merge(OmegaConf.structured(AttnresOptunaSweeperConf), config.hydra.sweeper)
         settings: AttnresOptunaSweeperConf = OmegaConf.to_object(merged)  # type: ignore
@@ -45,7 +47,11 @@ class AttnresOptunaSweeper(Sweeper):
         loader = GlobalHydra.instance().config_loader()
         arguments = list(config.hydra.overrides.task)  # what Hydra passes to sweep()
         plan = build_plan(arguments, settings.params, OverridesParser.create(config_loader=loader))
+        enqueued_points(settings.enqueue, plan)
+        make_sampler(settings.sampler, plan.dimensions)
+        make_pruner(settings.pruner)
         compose_jobs(loader, config, settings, plan, study_prefix(settings, config))
+        resolve_url(settings.storage, base_directory(OmegaConf.select(config, "hydra.runtime.cwd")))
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
