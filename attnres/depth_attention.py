@@ -21,8 +21,12 @@ NORMALISERS = ("softmax", "sigmoid")
 def inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
     """1/rms over the channel dimension, kept as (..., 1) so it broadcasts over channels.
 
-    Through the 2-norm (one reduction, no squared copy of v: this runs once per source)."""
-    return torch.rsqrt(torch.linalg.vector_norm(v, dim=-1, keepdim=True).square() / v.shape[-1] + eps)
+    Through the 2-norm (one reduction, no squared copy of v: this runs once per source). The
+    sum of squares is taken in fp32 at least: in fp16 it overflows (65504) once rms(v)·sqrt(d)
+    passes 256, which would make 1/rms zero and every read a plain mean."""
+    acc = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
+    norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=acc)
+    return torch.rsqrt(norm.square() / v.shape[-1] + eps).to(v.dtype)
 
 
 def normalise_scores(scores: torch.Tensor, normaliser: str, dim: int = -1) -> torch.Tensor:

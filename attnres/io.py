@@ -83,7 +83,8 @@ def load(
     device: Union[str, torch.device, None] = None,
     tracking_uri: Optional[str] = None,
 ) -> tuple[DecoderLM, dict]:
-    """Return `(model, config)`: the DecoderLM in eval mode on `device` and the config dict.
+    """Return `(model, config)`: the DecoderLM in eval mode on `device`, in float32 (weights saved
+    in bf16/fp16 are widened exactly; `.to(dtype)` after it for another), and the config dict.
 
     The argument is, in this order: an existing folder (holding config.json and
     model.safetensors, or a `model/` subfolder that does), an existing file (`.safetensors`,

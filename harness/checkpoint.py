@@ -38,14 +38,15 @@ import torch
 
 from harness.config import flatten
 from harness.identity import NOT_IDENTITY
+from harness.pruning import TrialNotRun
 from harness.resolvers import PROJECT_ROOT
 
 CHECKPOINT = "last.pt"
 RECORD = "run.json"
 
 
-class RunBusy(RuntimeError):
-    """Another live process holds this run's folder."""
+class RunBusy(TrialNotRun):
+    """Another live process holds this run's folder (a sweep voids such a trial: harness.pruning)."""
 
 
 def run_key(plain: dict[str, Any]) -> str:

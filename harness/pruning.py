@@ -41,11 +41,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-__all__ = ["TrialPruned", "active", "report", "current_trial", "bind"]
+__all__ = ["TrialPruned", "TrialNotRun", "active", "report", "current_trial", "bind"]
 
 
 class TrialPruned(Exception):
     """Raised by ``report`` when the pruner decided this trial is hopeless. Re-raise it."""
+
+
+class TrialNotRun(RuntimeError):
+    """The job did not train this trial's config, and the config is not to blame: another process
+    holds that exact run (two workers that drew the same point). The sweeper voids the trial, so
+    it counts neither as a trial nor against ``max_failure_rate``; the other process's own trial
+    records the result."""
 
 
 class _Trial(Protocol):

@@ -208,11 +208,38 @@ def test_too_many_failures_stop_the_sweep_with_one_line(tmp_path):
     )
     assert done.returncode != 0
     assert (
-        "study test: 3 of its 8 trials failed, more than max_failure_rate=0.25 allows (2)"
+        "study test: 3 of its 8 trials failed, more than hydra.sweeper.max_failure_rate=0.25 allows (2)"
         in done.stderr
     )
     assert "Traceback" not in done.stderr.split("trials failed")[-1]
     assert states(study(tmp_path, "test").trials) == [TrialState.FAIL] * 3
+
+
+def test_a_config_another_process_is_training_voids_the_trial_not_fails_it(tmp_path):
+    """Two workers that draw the same point: the second one's job is refused (RunBusy, a
+    TrialNotRun). That is no fault of the config: the trial is void, does not count against
+    max_failure_rate (0 here) and another trial takes its place."""
+    done = sweep(tmp_path, "busy", LR, "hydra.sweeper.n_trials=3", "hydra.sweeper.max_failure_rate=0",
+                 SWEEP_TEST_BUSY_AT="2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    trials = study(tmp_path, "test").trials
+    assert states(trials) == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert "attnres.failure" not in trials[1].user_attrs
+    assert trials[1].user_attrs["attnres.void"].startswith("not run: another process")
+
+
+def test_a_full_study_over_its_failure_budget_does_not_block_the_next_cells(tmp_path):
+    """The first run stops at cell baseline (2 of 2 trials failed, budget 1). Running the same
+    command again must go on with the next cell: the full study has nothing left to run (before,
+    it stopped at that cell again on every rerun, and block was never reached)."""
+    args = ("residual=baseline,block", LR, "train.nan_above=0", "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.max_failure_rate=0.5")
+    first = sweep(tmp_path, "first", *args, check=False)
+    assert first.returncode != 0 and "study test/residual=baseline: 2 of its 2 trials failed" in first.stderr
+    second = sweep(tmp_path, "second", *args, check=False)
+    assert second.returncode != 0 and "study test/residual=block: 2 of its 2 trials failed" in second.stderr
+    assert states(study(tmp_path, "test/residual=baseline").trials) == [TrialState.FAIL] * 2
+    assert states(study(tmp_path, "test/residual=block").trials) == [TrialState.FAIL] * 2
 
 
 def test_two_workers_share_one_study_without_overshooting(tmp_path, mlflow_uri):

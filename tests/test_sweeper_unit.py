@@ -437,3 +437,10 @@ def test_a_bad_storage_url_is_one_clear_line(tmp_path, url, message):
 
     with pytest.raises(SweeperConfigError, match=message):
         resolve_url(url, tmp_path)
+
+
+def test_a_run_refused_as_busy_is_a_trial_not_run():
+    """The harness's refusal of a config another process trains is the one the sweeper voids."""
+    from harness.checkpoint import RunBusy
+
+    assert issubclass(RunBusy, pruning.TrialNotRun)

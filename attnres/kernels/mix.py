@@ -149,18 +149,19 @@ class _SourceScores(torch.autograd.Function):
         else:
             raw = torch.bmm(v.view(N, H, -1).transpose(0, 1), Qv.view(R, H, -1).permute(1, 2, 0)).transpose(0, 1)
         rho = None
-        if eps is not None:
-            rho = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1, keepdim=True).square() / d + eps)  # (N, 1)
+        if eps is not None:  # (N, 1), in fp32 for bf16/fp16 v: an fp16 sum of squares overflows
+            norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=acc_dtype(v.dtype))
+            rho = torch.rsqrt(norm.square() / d + eps)
         ctx.H, ctx.key_norm = H, eps is not None
         ctx.save_for_backward(v, Q, raw, *([rho] if rho is not None else []))
-        return raw * rho.unsqueeze(-1) if rho is not None else raw.clone()
+        return (raw * rho.unsqueeze(-1)).to(v.dtype) if rho is not None else raw.clone()
 
     @staticmethod
     def backward(ctx, grad):
         v, Q, raw, *rho = ctx.saved_tensors
         N, d = v.shape
         H, R = ctx.H, Q.shape[0]
-        g = grad * rho[0].unsqueeze(-1) if ctx.key_norm else grad  # dL/draw (N, H, R)
+        g = (grad * rho[0].unsqueeze(-1)).to(v.dtype) if ctx.key_norm else grad  # dL/draw (N, H, R)
         Qv = Q.to(v.dtype)
         if H == 1:
             dv = g.squeeze(1) @ Qv
@@ -169,9 +170,12 @@ class _SourceScores(torch.autograd.Function):
             dv = torch.bmm(g.transpose(0, 1), Qv.view(R, H, -1).transpose(0, 1)).transpose(0, 1).reshape(N, d)
             dQ = torch.bmm(g.permute(1, 2, 0), v.view(N, H, -1).transpose(0, 1)).transpose(0, 1).reshape(R, d)
         if ctx.key_norm:  # through ρ: ∂ρ/∂v = −ρ³v/d, ∂s/∂ρ = raw
-            r = rho[0]
-            drho = (grad * raw).sum((1, 2)).unsqueeze(-1)
-            dv.addcmul_(-drho * r * r * r / d, v)
+            r = rho[0]  # fp32 for bf16/fp16 v (ρ³ underflows fp16 once rms(v) passes ~25)
+            drho = (grad.to(r.dtype) * raw).sum((1, 2)).unsqueeze(-1)
+            if dv.dtype == r.dtype:
+                dv.addcmul_(-drho * r * r * r / d, v)
+            else:
+                dv.add_((-drho * r * r * r / d * v).to(dv.dtype))
         return dv, dQ.to(Q.dtype), None, None
 
 

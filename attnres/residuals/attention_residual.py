@@ -95,8 +95,23 @@ class AttentionResidual(Residual):
                 self.output_norm = nn.RMSNorm(d, eps=eps)
         if query == "input":
             self.query_projections = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(L))
-            for proj in self.query_projections:
-                nn.init.zeros_(proj.weight)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The paper's init: zero queries (every read starts as the plain mean of its sources),
+        key-norm gains 1; zero input-query projections and scalar logits. nn.Module's convention,
+        so that a module built on the meta device gets it back after `to_empty` (FSDP, torchtitan).
+        Call it after the submodules' own reset_parameters: nn.Linear's would not zero a projection."""
+        with torch.no_grad():
+            for name in ("pseudo_queries", "output_query", "mixing_logits"):
+                p = getattr(self, name, None)
+                if p is not None:
+                    p.zero_()
+            for proj in getattr(self, "query_projections", []):
+                proj.weight.zero_()
+            if hasattr(self, "key_norms"):
+                for norm in [*self.key_norms, self.output_norm]:
+                    norm.reset_parameters()
 
     # --- structure -------------------------------------------------------------------------
     @property

@@ -184,7 +184,8 @@ class SweepRunner:
         )
         status = "FINISHED"
         try:
-            self._check_failures(study, name, n_trials)
+            if ledger.to_start(n_trials) > 0:  # a full study's failures stop nothing any more
+                self._check_failures(study, name, n_trials)
             while True:
                 fail_stale_trials(study)
                 if Ledger.of(study.get_trials(deepcopy=False)).to_start(n_trials) == 0:
@@ -276,7 +277,7 @@ class SweepRunner:
             last = max(failed, key=lambda t: t.number)
             raise SweepAborted(
                 f"study {name}: {len(failed)} of its {n_trials} trials failed, more than "
-                f"max_failure_rate={self.settings.max_failure_rate} allows ({budget}); "
+                f"hydra.sweeper.max_failure_rate={self.settings.max_failure_rate} allows ({budget}); "
                 f"last, trial {last.number}: {last.user_attrs[FAILURE_ATTR]}"
             )
 
@@ -319,7 +320,9 @@ class SweepRunner:
             raise
         outcome = _outcome(job)
         end_leftover_runs("KILLED" if outcome.state == TrialState.PRUNED else "FAILED")
-        attrs = {} if outcome.failure is None else {FAILURE_ATTR: outcome.failure}
+        attrs = {FAILURE_ATTR: outcome.failure} if outcome.failure is not None else {}
+        if outcome.void is not None:
+            attrs = {VOID_ATTR: outcome.void}
         frozen = self._finish(
             study, trial, outcome.state, outcome.value, attrs, before, parent, tracker
         )
@@ -336,6 +339,14 @@ class SweepRunner:
                 trial.number,
                 shown,
                 frozen.last_step,
+            )
+        elif outcome.void is not None:
+            log.warning(
+                "%s trial %d: %s -> void, does not count (%s)",
+                study.study_name,
+                trial.number,
+                shown,
+                outcome.void,
             )
         else:
             error = job._return_value
@@ -445,6 +456,7 @@ class _Outcome:
     value: float | None = None
     failure: str | None = None  # why the trial failed
     fatal: bool = False  # every trial would fail the same way: stop the sweep
+    void: str | None = None  # why the trial did not run, through no fault of its config
 
 
 def _outcome(job: JobReturn) -> _Outcome:
@@ -454,6 +466,8 @@ def _outcome(job: JobReturn) -> _Outcome:
     if job.status != JobStatus.COMPLETED:
         if isinstance(result, (pruning.TrialPruned, optuna.TrialPruned)):
             return _Outcome(TrialState.PRUNED)
+        if isinstance(result, pruning.TrialNotRun):
+            return _Outcome(TrialState.FAIL, void=f"not run: {result}"[:1000])
         return _Outcome(TrialState.FAIL, failure=f"{type(result).__name__}: {result}"[:1000])
     try:
         value = float(result)

@@ -7,7 +7,8 @@ Environment knobs for the tests: SWEEP_TEST_CALLS (a file that gets one JSON lin
 SWEEP_TEST_INTERRUPT_AT (send this process SIGINT at its n-th run, like a user's Ctrl-C;
 with SWEEP_TEST_INTERRUPT_WRAPPED=1 the interrupt comes back wrapped in another error, as from a
 library that caught it mid-write),
-SWEEP_TEST_SLEEP (seconds per run, in place of train.sleep: one worker slow, same overrides) and
+SWEEP_TEST_BUSY_AT (raise harness.pruning.TrialNotRun at the n-th run, as the harness refuses a
+config another process is training: RunBusy), SWEEP_TEST_SLEEP (seconds per run, in place of train.sleep: one worker slow, same overrides) and
 SWEEP_TEST_BARRIER=<folder>:<n> (the first run of each process waits until n processes have
 started one, so that parallel workers provably overlap however slowly each one starts).
 """
@@ -83,6 +84,8 @@ def main(cfg: DictConfig) -> float:
             except KeyboardInterrupt:
                 raise RuntimeError("database is locked")  # noqa: B904 (as SQLAlchemy's, implicit context)
         os.kill(os.getpid(), signal.SIGINT)
+    if os.environ.get("SWEEP_TEST_BUSY_AT") == str(_runs_in_this_process):
+        raise pruning.TrialNotRun("another process is running this exact config")
     if os.environ.get("SWEEP_TEST_BARRIER") and _runs_in_this_process == 1:
         _wait_for_peers(os.environ["SWEEP_TEST_BARRIER"])
     time.sleep(float(os.environ.get("SWEEP_TEST_SLEEP", cfg.train.sleep)))
