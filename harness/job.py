@@ -320,6 +320,8 @@ def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, sta
         system_metrics=c.tracking.system_metrics, flush_seconds=c.tracking.flush_seconds,
         pending_dir=folder.path if folder is not None else None,
     )
+    if trial is not None:
+        pruning.record_run(tracker.run_id)
     try:
         if tracker.resumed:
             tracker.set_tags({"attnres.status": "RUNNING", "attnres.resumed_at_step": (state or {}).get("step", 0)})

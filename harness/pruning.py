@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-__all__ = ["TrialPruned", "TrialNotRun", "active", "report", "current_trial", "bind"]
+__all__ = ["TrialPruned", "TrialNotRun", "active", "report", "record_run", "current_trial", "bind"]
 
 
 class TrialPruned(Exception):
@@ -64,6 +64,7 @@ class _Trial(Protocol):
 
 
 _trial: _Trial | None = None
+RUN_ID_ATTR = "mlflow.run_id"  # the trial's user attribute naming its job's MLflow run
 
 
 def active() -> bool:
@@ -92,6 +93,15 @@ def report(step: int, value: float) -> None:
     if trial.should_prune():
         shown = f"{value:.6g}" if math.isfinite(value) else str(value)
         raise TrialPruned(f"trial {trial.number} pruned at step {int(step)} (value {shown})")
+
+
+def record_run(run_id: str) -> None:
+    """Note the job's MLflow run on the bound trial as soon as the run starts (user attribute
+    ``mlflow.run_id``). A worker killed hard never tells its trial; the worker that later fails
+    the trial as stale finds its run here and ends it, which would otherwise stay RUNNING."""
+    trial = _trial
+    if trial is not None and hasattr(trial, "set_user_attr"):
+        trial.set_user_attr(RUN_ID_ATTR, run_id)
 
 
 @contextmanager

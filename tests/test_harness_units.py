@@ -175,18 +175,28 @@ def test_nan_loss_fails_the_run_with_step_and_reason(tmp_path, monkeypatch):
 class _PruneAtFirstReport:
     number = 7
 
+    def __init__(self):
+        self.attrs, self.attrs_at_first_report = {}, None
+
+    def set_user_attr(self, key, value):
+        self.attrs[key] = value
+
     def report(self, value, step):
         self.step = step
+        self.attrs_at_first_report = dict(self.attrs)
 
     def should_prune(self):
         return True
 
 
 def test_a_pruned_trial_ends_killed_with_the_pruned_tags(tmp_path):
-    with pruning.bind(_PruneAtFirstReport()):
+    trial = _PruneAtFirstReport()
+    with pruning.bind(trial):
         with pytest.raises(pruning.TrialPruned):
             job.run(compose(_overrides(tmp_path)))
     (run,) = runs(tmp_path)
+    # the trial knew its MLflow run from the start (a sweeper that finds it dead ends that run)
+    assert trial.attrs_at_first_report == {"mlflow.run_id": run.info.run_id}
     assert run.info.status == "KILLED"
     assert run.data.tags["attnres.status"] == "PRUNED" and run.data.tags["pruned"] == "true"
     assert run.data.tags["attnres.role"] == "trial" and run.data.tags["optuna.trial_number"] == "7"

@@ -350,30 +350,44 @@ def test_a_study_continues_only_with_the_overrides_it_started_with(tmp_path):
     assert len(study(tmp_path, "test").trials) == 3
 
 
-def test_a_dead_workers_trial_is_run_again(tmp_path):
+def test_a_dead_workers_trial_is_run_again(tmp_path, mlflow_uri):
+    """kill -9 of a worker mid-trial: the next worker fails the trial as stale (void) and runs its
+    slot again, and ends the dead trial's MLflow run KILLED (it stayed RUNNING before)."""
     log = tmp_path / "calls.jsonl"
     beat = ["hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=2"]
     worker = subprocess.Popen(
-        _command(tmp_path, "killed", LR, "hydra.sweeper.n_trials=3", *beat),
+        _command(tmp_path, "killed", LR, "hydra.sweeper.n_trials=3", *beat, mlflow_uri=mlflow_uri),
         cwd=tmp_path,
-        env=_env(SWEEP_TEST_CALLS=str(log), SWEEP_TEST_SLEEP="60"),
+        env=_env(SWEEP_TEST_CALLS=str(log), SWEEP_TEST_SLEEP_IN_RUN="60"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+    def started():  # the first trial's job has its MLflow run
+        try:
+            trials = study(tmp_path, "test").trials
+        except KeyError:  # no study yet
+            return False
+        return bool(trials) and "mlflow.run_id" in trials[0].user_attrs
+
     try:
         deadline = time.monotonic() + 60
-        while not calls(log) and time.monotonic() < deadline:
+        while not started() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert calls(log), "the first trial never started"
+        assert started(), "the first trial never started its MLflow run"
     finally:
         worker.kill()  # no cleanup at all: the trial stays RUNNING in the storage
         worker.wait()
     assert states(study(tmp_path, "test").trials) == [TrialState.RUNNING]
 
     time.sleep(2.5)  # past the grace period: the next worker takes the trial as dead
-    sweep(tmp_path, "rerun", LR, "hydra.sweeper.n_trials=3", *beat)
+    sweep(tmp_path, "rerun", LR, "hydra.sweeper.n_trials=3", *beat, mlflow_uri=mlflow_uri)
     trials = study(tmp_path, "test").trials
     assert states(trials) == [TrialState.FAIL] + [TrialState.COMPLETE] * 3
+    from mlflow import MlflowClient
+
+    dead = MlflowClient(mlflow_uri).get_run(trials[0].user_attrs["mlflow.run_id"])
+    assert dead.info.status == "KILLED" and dead.data.tags["optuna.state"] == "FAIL"
 
 
 def test_lr_sweep_config_composes_and_runs(tmp_path):

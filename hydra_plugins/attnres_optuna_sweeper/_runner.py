@@ -187,7 +187,15 @@ class SweepRunner:
             if ledger.to_start(n_trials) > 0:  # a full study's failures stop nothing any more
                 self._check_failures(study, name, n_trials)
             while True:
-                fail_stale_trials(study)
+                for dead in fail_stale_trials(study):  # void; their MLflow runs end KILLED
+                    log.warning(
+                        "%s trial %d: its worker stopped (no heartbeat): void, run again", name, dead.number
+                    )
+                    if tracker is not None and parent is not None:
+                        try:
+                            tracker.record_trial(parent, name, dead, dead.user_attrs.get(pruning.RUN_ID_ATTR))
+                        except Exception as error:
+                            log.warning("trial %d: could not end its MLflow run: %s", dead.number, error)
                 if Ledger.of(study.get_trials(deepcopy=False)).to_start(n_trials) == 0:
                     break
                 with warnings.catch_warnings():
@@ -391,7 +399,7 @@ class SweepRunner:
         run_id = last_run_id()
         run_id = None if run_id == before else run_id
         # User attributes must be set before tell: a finished trial is read-only.
-        for key, text in {**attrs, **({"mlflow.run_id": run_id} if run_id else {})}.items():
+        for key, text in {**attrs, **({pruning.RUN_ID_ATTR: run_id} if run_id else {})}.items():
             trial.set_user_attr(key, text)
         frozen = study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
         if tracker is not None and parent is not None:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, ContextManager
 
 import optuna
+from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import (
@@ -166,11 +167,17 @@ def _sqlite_pragmas(connection: Any, record: Any) -> None:
     cursor.close()
 
 
-def fail_stale_trials(study: optuna.Study) -> None:
-    """Fail the trials of dead workers, so that they are run again."""
+def fail_stale_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """Fail the trials of dead workers, so that they are run again; return them, now failed (or
+    failed by another worker at the same moment), so that their MLflow runs can be ended."""
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    if not running:
+        return []
+    failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    return [t for t in failed if t.number in running]
 
 
 @contextmanager

@@ -8,7 +8,8 @@ SWEEP_TEST_INTERRUPT_AT (send this process SIGINT at its n-th run, like a user's
 with SWEEP_TEST_INTERRUPT_WRAPPED=1 the interrupt comes back wrapped in another error, as from a
 library that caught it mid-write),
 SWEEP_TEST_BUSY_AT (raise harness.pruning.TrialNotRun at the n-th run, as the harness refuses a
-config another process is training: RunBusy), SWEEP_TEST_SLEEP (seconds per run, in place of train.sleep: one worker slow, same overrides) and
+config another process is training: RunBusy), SWEEP_TEST_SLEEP (seconds per run, in place of train.sleep: one worker slow, same overrides),
+SWEEP_TEST_SLEEP_IN_RUN (seconds once its MLflow run has started) and
 SWEEP_TEST_BARRIER=<folder>:<n> (the first run of each process waits until n processes have
 started one, so that parallel workers provably overlap however slowly each one starts).
 """
@@ -101,6 +102,8 @@ def main(cfg: DictConfig) -> float:
         parent_run_id=cfg.tracking.parent_run_id,
         tags={"attnres.role": "trial", "attnres.variant": cfg.residual.name},
     )
+    pruning.record_run(mlflow.active_run().info.run_id)  # as the harness does, at the run's start
+    time.sleep(float(os.environ.get("SWEEP_TEST_SLEEP_IN_RUN", 0)))
     mlflow.log_param("optim.lr", cfg.optim.lr)
     try:
         value = train(cfg)
