@@ -326,6 +326,7 @@ def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, sta
         if tracker.resumed:
             tracker.set_tags({"attnres.status": "RUNNING", "attnres.resumed_at_step": (state or {}).get("step", 0)})
             _note_code_change(tracker, c, (state or {}).get("step", 0))
+            _note_layout_change(tracker, spec, (state or {}).get("step", 0))
         else:
             _log_start(tracker, spec, plain, data, overrides)
     except BaseException as error:
@@ -361,6 +362,19 @@ def _data_changed(record: dict | None, data: TokenData) -> str | None:
         return None
     return (f"the data changed since this run started (fingerprint {before[:12]}… → {now[:12]}…); "
             "allowed: the data it started with, or train.resume=false to train it again on this data")
+
+
+def _note_layout_change(tracker, spec: RunSpec, step: int) -> None:
+    """A run resumed on another number of processes (its identity does not include it): MLflow
+    params are written once, so the new world size and per-process accumulation go into tags
+    named by the step they start at, beside the params of the first attempt."""
+    params = tracker.client.get_run(tracker.run_id).data.params
+    now = {"world_size": spec.world_size, "accum_steps": spec.accum_steps}
+    changed = {k: v for k, v in now.items() if params.get(f"train.{k}") not in (None, str(v))}
+    if changed:
+        log.warning("resumed with %s (the run started with %s)", changed,
+                    {k: params[f"train.{k}"] for k in changed})
+        tracker.set_tags({f"attnres.{k}_from_step_{step}": v for k, v in changed.items()})
 
 
 def _note_code_change(tracker, c, step: int) -> None:

@@ -295,3 +295,22 @@ def test_the_code_snapshot_holds_the_c_kernels():
     names = provenance._source_files()
     assert "attnres/kernels/csrc/depth_read.c" in names and "attnres/model.py" in names
     assert any(n.endswith(".h") for n in names if n.startswith("attnres/kernels/csrc/"))
+
+
+def test_a_run_resumed_on_another_number_of_processes_says_so_in_tags(tmp_path):
+    """MLflow params are written once: a resume with another world size (which the run's identity
+    leaves out) adds tags named by the step the new layout starts at; the same layout adds none."""
+    from types import SimpleNamespace
+
+    from harness.tracking import MlflowTracker
+
+    tracker = MlflowTracker.start(f"sqlite:///{tmp_path / 'mlflow.db'}", "default", "r", {})
+    try:
+        tracker.log_params({"train.world_size": 2, "train.accum_steps": 1})
+        job._note_layout_change(tracker, SimpleNamespace(world_size=2, accum_steps=1), step=40)
+        job._note_layout_change(tracker, SimpleNamespace(world_size=1, accum_steps=2), step=50)
+        tags = tracker.client.get_run(tracker.run_id).data.tags
+    finally:
+        tracker.end("FINISHED")
+    assert {k: v for k, v in tags.items() if "_from_step_" in k} == {
+        "attnres.world_size_from_step_50": "1", "attnres.accum_steps_from_step_50": "2"}
