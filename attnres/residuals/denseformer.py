@@ -23,9 +23,16 @@ class DenseFormerResidual(Residual):
             raise ValueError(f"denseformer needs whole Transformer blocks: num_layers={num_layers} must be even")
         n = num_layers // self.sublayers_per_block
         # Row i-1 averages X_0..X_i after block i; entries above the diagonal are never read.
-        init = torch.zeros(n, n + 1)
-        init[torch.arange(n), torch.arange(1, n + 1)] = 1.0
-        self.dwa_weights = nn.Parameter(init)
+        self.dwa_weights = nn.Parameter(torch.empty(n, n + 1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """a_ii = 1, all others 0 (starts as the baseline); nn.Module's convention, so that a module
+        built on the meta device gets its init back after `to_empty`."""
+        n = self.dwa_weights.shape[0]
+        with torch.no_grad():
+            self.dwa_weights.zero_()
+            self.dwa_weights[torch.arange(n), torch.arange(1, n + 1)] = 1.0
 
     def stream(self, embedding, sublayers, want_weights):
         outputs = [embedding]  # X_0, X_1, ...

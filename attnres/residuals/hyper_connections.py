@@ -15,8 +15,10 @@ differs only by the factor n, which the final RMSNorm removes up to its eps).
 mHC conditions every mixing on x̃ = RMSNorm(vec H) (all streams flattened):
 pre = σ(α_pre·x̃φ_pre + b_pre), post = 2σ(α_post·x̃φ_post + b_post),
 res = Sinkhorn-Knopp(exp(α_res·mat(x̃φ_res) + b_res)) projected onto doubly stochastic matrices.
-Its output is the stream sum (PAPER.md). The paper prints no init; we use Megatron-LM's: gating
-factors α = 0.01, biases 0, φ ~ N(0, 0.02²). So at init pre ≈ 1/2, post ≈ 1, res ≈ uniform 1/n.
+Its output is the stream sum (PAPER.md). The paper prints no init; we use Megatron-LM's gating
+factors α = 0.01 and biases 0, and φ ~ N(0, 0.02²) (Megatron-LM draws φ with xavier_uniform_).
+So at init pre ≈ 1/2, post ≈ 1, res ≈ uniform 1/n. Sinkhorn normalises rows, then columns, in
+each of its iterations (Megatron-LM's order), so the columns of res sum to 1 exactly.
 
 Speed without changing the math (on CPU what costs time here is layout, not arithmetic):
 - the state is kept as a list of n streams (…, d), and the stream update
@@ -305,15 +307,30 @@ class HyperConnections(Residual):
             raise ValueError(f"streams={streams} must be at least 1")
         n, L = streams, num_layers
         self.streams = n
-        self.pre_static = nn.Parameter(torch.nn.functional.one_hot(torch.arange(L) % n, n).float())
-        self.res_static = nn.Parameter(torch.eye(n).repeat(L, 1, 1))
-        self.post_static = nn.Parameter(torch.ones(L, n))
-        # Dynamic parts: W zero (the start is the static HC), scales small but non-zero so that W
-        # receives gradient from the first step.
+        self.pre_static = nn.Parameter(torch.empty(L, n))
+        self.res_static = nn.Parameter(torch.empty(L, n, n))
+        self.post_static = nn.Parameter(torch.empty(L, n))
         self.norms = nn.ModuleList(nn.RMSNorm(d_model, eps=eps) for _ in range(L))
-        self.dynamic = nn.Parameter(torch.zeros(L, d_model, n + 2))  # columns: pre, post, res (n)
-        self.scale_pre_res = nn.Parameter(torch.full((L,), 0.01))
-        self.scale_post = nn.Parameter(torch.full((L,), 0.01))
+        self.dynamic = nn.Parameter(torch.empty(L, d_model, n + 2))  # columns: pre, post, res (n)
+        self.scale_pre_res = nn.Parameter(torch.empty(L))
+        self.scale_post = nn.Parameter(torch.empty(L))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The paper's init: A_m = e_{l mod n}, A_r = I, B = 1; dynamic parts W zero (the start is
+        the static HC), scales small but non-zero so that W receives gradient from the first step.
+        nn.Module's convention, so that a module built on the meta device gets it back after
+        `to_empty`."""
+        L, n = self.pre_static.shape
+        for norm in self.norms:
+            norm.reset_parameters()
+        with torch.no_grad():
+            self.pre_static.copy_(torch.nn.functional.one_hot(torch.arange(L) % n, n))
+            self.res_static.copy_(torch.eye(n).expand(L, n, n))
+            self.post_static.fill_(1.0)
+            self.dynamic.zero_()
+            self.scale_pre_res.fill_(0.01)
+            self.scale_post.fill_(0.01)
 
     def stream(self, embedding, sublayers, want_weights):
         n = self.streams
@@ -358,10 +375,23 @@ class ManifoldHyperConnections(Residual):
             raise ValueError(f"streams={streams} and sinkhorn_iters={sinkhorn_iters} must be at least 1")
         n, L, d = streams, num_layers, d_model
         self.streams, self.sinkhorn_iters = n, sinkhorn_iters
+        self.gate_init = gate_init
         self.norms = nn.ModuleList(nn.RMSNorm(n * d, eps=eps) for _ in range(L))
-        self.phi = nn.Parameter(torch.randn(L, n * d, 2 * n + n * n) * 0.02)  # pre | post | res
-        self.gates = nn.Parameter(torch.full((L, 3), gate_init))  # α_pre, α_post, α_res
-        self.bias = nn.Parameter(torch.zeros(L, 2 * n + n * n))
+        self.phi = nn.Parameter(torch.empty(L, n * d, 2 * n + n * n))  # pre | post | res
+        self.gates = nn.Parameter(torch.empty(L, 3))  # α_pre, α_post, α_res
+        self.bias = nn.Parameter(torch.empty(L, 2 * n + n * n))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Gating factors `gate_init` and biases 0 (Megatron-LM's), φ ~ N(0, 0.02²) (Megatron-LM
+        draws φ with xavier_uniform_ instead). nn.Module's convention, so that a module built on the
+        meta device gets it back after `to_empty`."""
+        for norm in self.norms:
+            norm.reset_parameters()
+        with torch.no_grad():
+            self.phi.copy_(torch.randn(self.phi.shape, dtype=self.phi.dtype, device=self.phi.device) * 0.02)
+            self.gates.fill_(self.gate_init)
+            self.bias.zero_()
 
     def mixing(self, l: int, H):
         """pre (..., n), post (..., n) and the doubly stochastic res (..., n, n) of sublayer l, for
