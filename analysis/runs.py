@@ -64,8 +64,10 @@ _FIELDS: dict[str, list[tuple[str, str]]] = {
     "params_non_embedding": [("params", "count.params_non_embedding")],
     "params_residual": [("params", "count.params_residual")],
     "flops_per_token": [("params", "count.flops_per_token")],
-    "tokens": [("metrics", "final/tokens"), ("metrics", "train/tokens"),
-               ("params", "train.tokens")],
+    # Tokens *trained*: from the metrics only. The param train.tokens is a requested budget (and
+    # its default, 250k, stays set when steps, flops or tokens_per_param decide the budget), so a
+    # run killed before its first log would get a made-up token count, FLOPs and compute.
+    "tokens": [("metrics", "final/tokens"), ("metrics", "train/tokens")],
     "flops": [("metrics", "final/flops"), ("metrics", "train/flops")],
     "final_val_loss": [("metrics", "final/val_loss"), ("metrics", "val/loss")],
     "best_val_loss": [("metrics", "final/val_loss_best")],

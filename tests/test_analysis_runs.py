@@ -83,3 +83,24 @@ def test_analysis_never_imports_training_code():
                      else [])
             assert not [n for n in names if n.split(".")[0] in ("attnres", "harness", "torch")], \
                 f"{path.relative_to(REPO)} imports {names}"
+
+
+def test_a_run_without_token_metrics_has_no_made_up_tokens_or_compute(tmp_path):
+    """A run killed before its first log has logged params but no train/* metric. Its tokens,
+    FLOPs and compute are unknown (NaN), not the requested budget train.tokens (whose default,
+    250000, stays set when train.tokens_per_param or train.flops decides the budget)."""
+    pytest.importorskip("mlflow")
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    from analysis.runs import load_runs
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("scaling", artifact_location=(tmp_path / "art").as_uri())
+    rid = client.create_run(exp, tags={"attnres.role": "job", "attnres.status": "RUNNING"}).info.run_id
+    client.log_batch(rid, params=[Param(k, v) for k, v in {
+        "residual.name": "baseline", "train.tokens": "250000", "train.tokens_per_param": "2",
+        "count.train_tokens": "41344", "count.flops_per_token": "196992"}.items()])
+    row = load_runs(uri).iloc[0]
+    assert np.isnan(row["tokens"]) and np.isnan(row["flops"]) and np.isnan(row["compute_pfd"])

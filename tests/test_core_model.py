@@ -277,3 +277,52 @@ def test_rope_rotates_each_pair_of_halves_and_depends_on_relative_position_only(
 
     for m, n, shift in [(3, 1, 4), (7, 7, 2), (0, 5, 6)]:
         torch.testing.assert_close(at(q, m) @ at(k, n), at(q, m + shift) @ at(k, n + shift), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("tie", [False, True])
+def test_param_counts_match_an_independent_count(variant, tie):
+    """Every group against a count by hand (GQA, both embedding layouts, every variant's extras)."""
+    V, d, Lb, H, kv, ff, S, n = 97, 32, 3, 4, 2, 80, 2, 4
+    m = DecoderLM(ModelConfig(vocab_size=V, d_model=d, layers=Lb, n_heads=H, n_kv_heads=kv, d_ff=ff,
+                              tie_embeddings=tie), ResidualConfig(name=variant, block_size=S, heads=4))
+    L, hd = 2 * Lb, d // H
+    block = 2 * d + d * H * hd + d * 2 * kv * hd + H * hd * d + 3 * d * ff
+    attnres = L * d + d + (L + 1) * d  # queries, output query, key-norm gains
+    residual = {
+        "baseline": 0, "denseformer": Lb * (Lb + 1),
+        "hc": L * (2 * n + n * n) + L * d + L * d * (n + 2) + 2 * L,
+        "mhc": L * n * d + L * n * d * (2 * n + n * n) + 3 * L + L * (2 * n + n * n),
+        "full_input_query": d + (L + 1) * d + L * d * d, "full_scalar": (L + 1) ** 2,
+        "full_no_rmsnorm": L * d + d, "block_no_rmsnorm": L * d + d,
+    }.get(variant, attnres)
+    embedding = V * d * (1 if tie else 2)
+    non_embedding = Lb * block + d + residual
+    assert m.param_counts() == {"total": non_embedding + embedding, "embedding": embedding,
+                                "non_embedding": non_embedding, "residual": residual}
+    assert m.param_counts()["total"] == sum(p.numel() for _, p in m.named_parameters())
+
+
+@pytest.mark.parametrize("variant", ["full", "full_scalar", "full_no_rmsnorm", "block", "block_no_rmsnorm",
+                                     "sliding_window", "full_input_query"])
+def test_depth_read_flops_count_only_the_work_the_variant_does(variant):
+    """Forward mixing FLOPs by hand from the sources each read sees: an axpy (2d) and the
+    normaliser (5) per source; a dot product (2d) per source unless the scores are scalars; the
+    rms of the L+1 new sources/partial sums (3d) only with key norms; Block's partial-sum adds."""
+    d, Lb, S, W = 32, 4, 3, 2
+    L = 2 * Lb
+    m = DecoderLM(ModelConfig(d_model=d, layers=Lb, n_heads=4),
+                  ResidualConfig(name=variant, block_size=S, window=W))
+    if variant.startswith("block"):
+        n = sum(r // S + 1 + (1 if r % S else 0) for r in range(L)) + -(-L // S) + 1
+    elif variant == "sliding_window":
+        n = sum(1 + min(r, W) for r in range(L + 1))
+    else:
+        n = sum(r + 1 for r in range(L + 1))
+    expected = 2 * d * n + 5 * n
+    expected += 0 if variant == "full_scalar" else 2 * d * n
+    expected += 0 if variant in ("full_scalar", "full_no_rmsnorm", "block_no_rmsnorm") else 3 * d * (L + 1)
+    expected += d * (L - -(-L // S)) if variant.startswith("block") else 0
+    expected += 2 * d * d * L if variant == "full_input_query" else 0
+    assert m.residual.mixing_flops_per_token() == expected
+    assert m.flops_per_token(64)["residual"] == 3 * expected

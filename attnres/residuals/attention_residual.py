@@ -194,13 +194,21 @@ class AttentionResidual(Residual):
         return row
 
     def mixing_flops_per_token(self) -> int:
-        """Per read: a dot product and an axpy per visible source (4·n·d), the normaliser, and the
-        rms of every new source or partial sum (3·d); input queries add their d×d projection."""
-        d, vis = self.d_model, self.visibility()
-        n = vis.sum(1)
-        flops = int(4 * d * n.sum()) + 3 * d * (self.num_layers + 1) + 5 * int(n.sum())
+        """Per read: an axpy per visible source (2·n·d) and the normaliser (5·n); a dot product per
+        visible source (2·n·d) unless the scores are learned scalars (full_scalar); the rms of every
+        new source or partial sum (3·d) only with key norms; Block's running partial sums (d per
+        sublayer after the first of its block); input queries add their d×d projection."""
+        d, L = self.d_model, self.num_layers
+        n = int(self.visibility().sum())
+        flops = 2 * d * n + 5 * n
+        if self.query_kind != "scalar":
+            flops += 2 * d * n
+        if self.key_norm:
+            flops += 3 * d * (L + 1)
+        if self.sources == "block":
+            flops += d * (L - self.num_blocks)
         if self.query_kind == "input":
-            flops += 2 * d * d * self.num_layers
+            flops += 2 * d * d * L
         return flops
 
 
