@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,21 +23,29 @@ TINY = [
 ]
 
 
-@pytest.fixture
-def restore_process_state():
+@contextmanager
+def process_state_kept():
     """An in-process run changes process-wide state on purpose (the fluent MLflow tracking URI and
     its environment variable, which the Optuna sweeper reads back; torch's thread count). Put it
-    back after the test, so that later tests see the process as they would alone."""
+    back afterwards, so that later tests see the process as they would alone."""
     import torch
 
     env, threads = os.environ.get("MLFLOW_TRACKING_URI"), torch.get_num_threads()
-    yield
-    import mlflow
+    try:
+        yield
+    finally:
+        import mlflow
 
-    mlflow.set_tracking_uri(None)  # clears the module global and the environment variable
-    if env is not None:
-        os.environ["MLFLOW_TRACKING_URI"] = env
-    torch.set_num_threads(threads)
+        mlflow.set_tracking_uri(None)  # clears the module global and the environment variable
+        if env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = env
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def restore_process_state():
+    with process_state_kept():
+        yield
 
 
 def isolated(tmp: Path) -> list[str]:

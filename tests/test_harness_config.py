@@ -68,13 +68,25 @@ def test_bad_values_are_one_config_error_line(overrides, message):
     ("scaling_gpu", 15), ("arch", 30), ("arch_gpu", 50), ("multihop", 8), ("tuned_lr", 26),
 ])
 def test_every_job_of_every_sweep_validates(name, jobs):
+    """Every job composes and validates (the GPU grids repeat the CPU ones' structure: first,
+    middle and last job). PAPER.md: the paper fixes N ≈ 8 blocks as depth grows, so every Block
+    job of the GPU scaling ladder and architecture grid is checked for N = 7-9 (S = round(L/8),
+    block_n8; S = 4 gave 6-20 from 24 to 40 sublayers); its runs are still the variant `block`."""
     found = sweep_jobs([f"+sweep={name}"])
     assert len(found) == jobs
-    if name.endswith("_gpu"):  # the GPU grids repeat the CPU ones' structure: first, middle, last
-        found = [found[0], found[len(found) // 2], found[-1]]
+    eight_blocks = name in ("scaling_gpu", "arch_gpu")
+    if name.endswith("_gpu"):
+        ends = [found[0], found[len(found) // 2], found[-1]]
+        found = ends + [j for j in found if eight_blocks and j not in ends and j[1].residual.name == "block"]
+    blocks = {}
     for overrides, cfg in found:
         spec = validate(cfg)
         assert spec.cfg.sweep.name == name.removesuffix("_gpu"), overrides
+        if eight_blocks and spec.cfg.residual.name == "block":
+            L, S = 2 * spec.cfg.model.layers, spec.cfg.residual.block_size
+            blocks[(spec.cfg.model.name, L)] = -(-L // S)  # whole blocks, the last one may be short
+    if eight_blocks:
+        assert len(blocks) >= 5 and all(7 <= n <= 9 for n in blocks.values()), blocks
 
 
 def test_the_sweep_folder_holds_the_ready_sweeps_and_the_optuna_one():
@@ -87,20 +99,6 @@ def test_block_size_sweep_cells_map_onto_the_residual():
         spec = validate(compose(["+sweep=block_size", f"sweep.cell={cell}"]))
         assert (spec.cfg.residual.name, spec.cfg.residual.block_size) == (variant, size)
         assert spec.cfg.model.layers == 16
-
-
-def test_gpu_scaling_and_arch_sweeps_keep_about_eight_blocks():
-    """PAPER.md: the paper fixes N ≈ 8 blocks as depth grows. The GPU scaling ladder and the
-    architecture grid run Block AttnRes with S = round(L/8) (block_n8), so N stays 7-9 from 24 to
-    40 sublayers where S = 4 gave 6-20; its runs are still the variant `block`."""
-    counts = {}
-    for overrides, cfg in sweep_jobs(["+sweep=scaling_gpu"]) + sweep_jobs(["+sweep=arch_gpu"]):
-        spec = validate(cfg)
-        if spec.cfg.residual.name != "block":
-            continue
-        L, S = 2 * spec.cfg.model.layers, spec.cfg.residual.block_size
-        counts[(spec.cfg.model.name, L)] = -(-L // S)  # whole blocks, the last one may be short
-    assert len(counts) >= 5 + 5 and all(7 <= n <= 9 for n in counts.values()), counts
 
 
 def test_blocks_resolver_by_hand():
