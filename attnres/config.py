@@ -56,6 +56,12 @@ class ModelConfig:
         for key in ("vocab_size", "d_model", "layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"model.{key} must be a positive integer, got {getattr(self, key)}")
+        if not float(self.rope_theta) > 0:  # 0 or less: inf/NaN rotary angles, a NaN loss at step 1
+            raise ValueError(f"model.rope_theta={self.rope_theta} must be positive")
+        if not 0 <= float(self.init_std) < float("inf"):  # torch.nn.init.normal_ refuses it deep in the build
+            raise ValueError(f"model.init_std={self.init_std} must be a finite number >= 0")
+        if not 0 <= float(self.norm_eps) < float("inf"):
+            raise ValueError(f"model.norm_eps={self.norm_eps} must be a finite number >= 0")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"

@@ -51,8 +51,9 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
 
 
 def _sweep_arguments(config: DictConfig) -> list[str]:
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    return [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    # As written, not resolved: an override holding ${...} is the job's to resolve (or refuse with one line).
+    params = OmegaConf.to_container(OmegaConf.select(config, "hydra.sweeper.params") or OmegaConf.create({}))
+    return [f"{k}={v}" for k, v in params.items()] + OmegaConf.to_container(config.hydra.overrides.task)
 
 
 # Keys that say how to rerun a sweep, not what it is: `train.retry_failed=true` added to a
@@ -105,9 +106,14 @@ def check_sweeper_jobs(config: DictConfig) -> None:
     if check is None:
         return
     try:
-        check(config)
+        # each cell's job config is also validated as run.py would (a value no trial could run:
+        # residual.num_blocks not dividing L), not only composed
+        check(config, check=lambda job_cfg: validate(_without_hydra(job_cfg)))
     except CompactHydraException as error:
         exit_if_composition_error(error)
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -157,6 +163,20 @@ class MLflowMultirunCallback(Callback):
         self._atexit = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra turns an exception raised here into a UserWarning and launches every job anyway,
+        # unchecked and without the parent run (hydra/_internal/callbacks.py): stop the multirun.
+        try:
+            self._start(config)
+        except Exception as error:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                import traceback
+
+                traceback.print_exc()
+            reason = " ".join(str(error).split())
+            print(f"error: the multirun could not start ({type(error).__name__}: {reason})", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    def _start(self, config: DictConfig) -> None:
         n_jobs = None
         if _is_basic_sweeper(config):
             n_jobs = validate_jobs(config)

@@ -77,7 +77,9 @@ def _hydra_mode() -> tuple[bool, str | None, list]:
     if not HydraConfig.initialized():
         return False, None, []
     hc = HydraConfig.get()
-    return hc.mode == RunMode.MULTIRUN, hc.runtime.output_dir, list(hc.overrides.task)
+    # the overrides as written: iterating the ListConfig would resolve an override's ${...} (and raise
+    # for an undefined key before validate() could refuse it with one line)
+    return hc.mode == RunMode.MULTIRUN, hc.runtime.output_dir, OmegaConf.to_container(hc.overrides.task)
 
 
 def _bad_input(error: Exception, multirun: bool, output_dir: str | None) -> float:

@@ -79,12 +79,26 @@ def check_tracking_uri(uri: str) -> None:
                                   "http(s)://host:port, sqlite:///path.db, postgresql://…, mysql://…, file:/path")
     db = sqlite_path(uri)
     if db is not None:
+        if db.is_dir() or _not_sqlite(db):
+            raise TrackingUnreachable(f"tracking.uri={uri}: {db} is not a SQLite database "
+                                      f"({'a folder' if db.is_dir() else 'another kind of file'}); "
+                                      "allowed: a sqlite:/// path to an MLflow database or to a file that does not exist yet")
         try:
             db.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise TrackingUnreachable(f"tracking.uri={uri}: cannot create the folder {db.parent} "
                                       f"({error.strerror}); allowed: a sqlite:/// path in a writable folder") from None
     check_reachable(uri)
+
+
+def _not_sqlite(db: Path) -> bool:
+    """A non-empty file that does not start with SQLite's header (an empty file SQLite takes as new)."""
+    try:
+        with open(db, "rb") as handle:
+            head = handle.read(16)
+    except OSError:
+        return False  # absent, or unreadable: the client's own error says more
+    return bool(head) and head != b"SQLite format 3\x00"
 
 
 def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tracking.uri=") -> None:

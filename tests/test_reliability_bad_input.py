@@ -68,6 +68,19 @@ CASES = {
                                         "+hydra.sweeper.sampler.kwargs.n_startup_trails=3",
                                         "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
                                        "unexpected keyword argument 'n_startup_trails'"),
+    # Found by the UX audit: each of these was a traceback (exit 1), and in a multirun Hydra turned
+    # the callback's exception into a warning and launched every job unchecked.
+    "an undefined interpolation": (["optim.lr=${oops}"], "Interpolation key 'oops' not found full_key: optim.lr"),
+    "an undefined interpolation, in a multirun": (["-m", "residual=baseline,block", "optim.lr=${oops}"],
+                                                  "Interpolation key 'oops' not found full_key: optim.lr"),
+    "a SQLite URI naming a folder": (["tracking.uri=sqlite:///{tmp}"], "is not a SQLite database (a folder)"),
+    "a rope_theta that gives NaN": (["model.rope_theta=0"], "model.rope_theta=0.0 must be positive"),
+    "a negative init_std": (["-m", "residual=baseline,block", "model.init_std=-1"],
+                            "model.init_std=-1.0 must be a finite number >= 0"),
+    "a value no Optuna trial can run": (["-m", "hydra/sweeper=attnres_optuna", "optim.lr=interval(1e-3,1e-2)",
+                                         "residual=block", "residual.num_blocks=3",
+                                         "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
+                                        "residual.num_blocks=3 must divide the number of sublayers"),
 }
 
 
@@ -108,3 +121,21 @@ def test_full_error_still_gives_hydras_report(tmp_path):
     result = subprocess.run([sys.executable, "run.py", "model.layerz=3", f"hydra.run.dir={tmp_path / 'out'}"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "Traceback" in result.stderr and "error: model.layerz" not in result.stderr
+
+
+@pytest.mark.parametrize("flags", [[], ["-m", "residual=baseline,block"]])
+def test_a_tracking_file_that_is_not_a_database_is_one_line_before_anything_runs(flags, tmp_path):
+    """It was SQLAlchemy's traceback per job (exit 1, run folders left); in a multirun the callback's
+    error became a warning and both jobs were launched anyway."""
+    store = tmp_path / "notes.db"
+    store.write_text("not a database\n")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    result = subprocess.run([sys.executable, "run.py", *flags, *TINY, f"tracking.uri=sqlite:///{store}",
+                             f"train.checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'out'}",
+                             f"hydra.sweep.dir={tmp_path / 'out'}"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "is not a SQLite database (another kind of file)" in lines[0], lines
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "out").exists()
+    assert store.read_text() == "not a database\n"

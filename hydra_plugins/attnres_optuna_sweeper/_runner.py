@@ -440,15 +440,17 @@ def study_prefix(settings: AttnresOptunaSweeperConf, config: DictConfig) -> str:
 
 
 def compose_jobs(
-    loader: Any, config: DictConfig, settings: AttnresOptunaSweeperConf, plan: Plan, prefix: str
+    loader: Any, config: DictConfig, settings: AttnresOptunaSweeperConf, plan: Plan, prefix: str,
+    check: Any = None,
 ) -> None:
-    """Compose every cell's job config once, with a sample point, before anything runs."""
+    """Compose every cell's job config once, with a sample point, before anything runs; `check`
+    (the app's own validation of a composed job config, if given) sees each, its errors raised as is."""
     sample = [d.override(_sample_value(d.distribution)) for d in plan.dimensions]
     if settings.mlflow.enabled:
         sample.append(f"++{settings.mlflow.parent_run_key}=check")
     for cell in plan.cells:
         try:
-            loader.load_sweep_config(config, [*plan.fixed, *cell.overrides, *sample])
+            job_cfg = loader.load_sweep_config(config, [*plan.fixed, *cell.overrides, *sample])
         except Exception as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
             # The cause stays attached: an app can print its own line from it (run.py does,
@@ -456,6 +458,8 @@ def compose_jobs(
             raise SweeperConfigError(
                 f"the jobs of study {cell.study_name(prefix)} do not compose: {first}"
             ) from error
+        if check is not None:
+            check(job_cfg)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class AttnresOptunaSweeper(Sweeper):
         self._runner: Any = None
 
     @staticmethod
-    def check_jobs(config: DictConfig) -> None:
+    def check_jobs(config: DictConfig, check: Any = None) -> None:
         """Refuse bad options, or grid cells whose jobs do not compose, from the multirun config
         alone (SweeperConfigError). For a multirun callback that writes before Hydra sets the
         sweeper up (harness.callbacks creates the MLflow store): a refused sweep leaves nothing."""
@@ -45,12 +45,12 @@ class AttnresOptunaSweeper(Sweeper):
         settings: AttnresOptunaSweeperConf = OmegaConf.to_object(merged)  # type: ignore
         validate(settings)
         loader = GlobalHydra.instance().config_loader()
-        arguments = list(config.hydra.overrides.task)  # what Hydra passes to sweep()
+        arguments = OmegaConf.to_container(config.hydra.overrides.task)  # what Hydra passes to sweep()
         plan = build_plan(arguments, settings.params, OverridesParser.create(config_loader=loader))
         enqueued_points(settings.enqueue, plan)
         make_sampler(settings.sampler, plan.dimensions)
         make_pruner(settings.pruner)
-        compose_jobs(loader, config, settings, plan, study_prefix(settings, config))
+        compose_jobs(loader, config, settings, plan, study_prefix(settings, config), check)
         resolve_url(settings.storage, base_directory(OmegaConf.select(config, "hydra.runtime.cwd")))
 
     def setup(
