@@ -31,13 +31,16 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from harness.checkpoint import creatable
 from harness.config import ConfigError, rank, validate
 from harness.job import PARENT_ENV
+from harness.resolvers import PROJECT_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +143,19 @@ def validate_jobs(config: DictConfig) -> int:
     except Exception as error:  # a sweep value Hydra cannot compose (residual=blok,block)
         exit_if_composition_error(error)
         raise
-    seen_data = set()
+    seen_data, seen_roots = set(), set()
     for i, (overrides, job_cfg) in enumerate(jobs):
         where = f"job {i} ({' '.join(overrides) or 'no overrides'})"
         try:
             spec = validate(_without_hydra(job_cfg))
+            root = spec.cfg.train.checkpoint_dir
+            if root not in seen_roots:  # as a single run refuses it, before any job starts
+                seen_roots.add(root)
+                folder = Path(root or PROJECT_ROOT / "checkpoints").expanduser()
+                error = creatable(folder)
+                if error is not None:
+                    raise ConfigError(f"train.checkpoint_dir={root}: cannot create {folder} ({error.strerror}); "
+                                      "allowed: a writable folder (null = <project root>/checkpoints)")
             data_key = json.dumps([OmegaConf.to_container(OmegaConf.structured(spec.cfg.data)),
                                    spec.cfg.train.seq_len], default=str)
             if data_key not in seen_data:

@@ -62,6 +62,27 @@ def run_folder(plain: dict[str, Any]) -> Path:
     return root.resolve() / _safe(plain["sweep"]["name"]) / _safe(name)
 
 
+def creatable(folder: Path) -> OSError | None:
+    """Whether `folder` can be made, tried for real and undone (no permission bit tells it for
+    root or for /proc): the folders it had to make are removed again. None, or the error."""
+    missing = []
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return error
+    finally:
+        for made in missing:  # deepest first
+            try:
+                made.rmdir()
+            except OSError:
+                pass
+    return None
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in str(name)) or "_"
 

@@ -1,6 +1,7 @@
 """Pieces of the harness in-process: schedules, optimizers, checkpoints, failure and pruning paths."""
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +315,14 @@ def test_a_run_resumed_on_another_number_of_processes_says_so_in_tags(tmp_path):
         tracker.end("FINISHED")
     assert {k: v for k, v in tags.items() if "_from_step_" in k} == {
         "attnres.world_size_from_step_50": "1", "attnres.accum_steps_from_step_50": "2"}
+
+
+def test_creatable_tries_the_folder_for_real_and_leaves_nothing(tmp_path):
+    """A multirun checks its checkpoint folder before any job (root passes every permission bit,
+    /proc refuses anyway): the folders made for the try are removed, those that existed stay."""
+    folder = tmp_path / "a" / "b" / "c"
+    assert checkpoint.creatable(folder) is None and not (tmp_path / "a").exists()
+    (tmp_path / "a").mkdir()
+    assert checkpoint.creatable(folder) is None and (tmp_path / "a").is_dir()
+    assert not (tmp_path / "a" / "b").exists()
+    assert isinstance(checkpoint.creatable(Path("/proc/no-such-dir/x")), OSError)

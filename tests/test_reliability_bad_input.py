@@ -17,6 +17,8 @@ CASES = {
     "a value the config cannot run": (["train.micro_batch_size=3"], "train.micro_batch_size=3"),
     "a data path": (["data=text", "data.path=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
     "a checkpoint path": (["train.checkpoint_dir=/proc/no-such-dir"], "train.checkpoint_dir=/proc/no-such-dir"),
+    "a checkpoint path, in a multirun": (["-m", "residual=baseline,block", "train.checkpoint_dir=/proc/no-such-dir"],
+                                         "train.checkpoint_dir=/proc/no-such-dir: cannot create /proc/no-such-dir"),
     "a tracking URI scheme": (["tracking.uri=foo://bar"], "tracking.uri=foo://bar"),
     "a SQLite URI in a folder that cannot exist": (["tracking.uri=sqlite:////proc/x/mlflow.db"],
                                                     "tracking.uri=sqlite:////proc/x/mlflow.db"),
