@@ -206,6 +206,13 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
             # takes the interrupt: it voids the trial.)
             print(f"{label}: interrupted (Ctrl-C); rerun to resume from the last checkpoint", file=sys.stderr, flush=True)
             raise SystemExit(INTERRUPT_EXIT) from None
+        if isinstance(error, NonFiniteLoss) and not multirun and not _in_trial():
+            # The run's outcome, not a fault of the code: one line. (A multirun or a sweep records
+            # the failed job from the exception itself.)
+            where = f"MLflow run {tracker.run_id} FAILED, " if tracker.enabled else ""
+            print(f"{label}: diverged: {error}; {where}its last good checkpoint kept (train.retry_failed=true "
+                  "resumes from it)", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         raise
     if folder is not None:
         folder.write_record(status="finished", final=final)

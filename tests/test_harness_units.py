@@ -147,7 +147,9 @@ def test_kept_freed_memory_is_not_faulted_in_again_each_cycle():
 
 # --- outcomes in MLflow ----------------------------------------------------------------------------
 
-def test_nan_loss_fails_the_run_with_step_and_reason(tmp_path, monkeypatch):
+def test_nan_loss_fails_the_run_with_step_and_reason(tmp_path, monkeypatch, capsys):
+    """A single run that diverges: one line (not a traceback) and exit 1; the MLflow run FAILED with
+    the step and reason, and the last good checkpoint kept."""
     from attnres import DecoderLM
 
     real_forward = DecoderLM.forward
@@ -162,9 +164,14 @@ def test_nan_loss_fails_the_run_with_step_and_reason(tmp_path, monkeypatch):
         return logits, loss
 
     monkeypatch.setattr(DecoderLM, "forward", nan_at_third_step)
-    with pytest.raises(FloatingPointError, match="non-finite training loss .* at step 3"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
         job.run(compose(_overrides(tmp_path)))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "diverged" in line or "Traceback" in line]
+    assert stopped.value.code == 1 and len(lines) == 1, lines
+    assert "diverged: non-finite training loss (nan) at step 3" in lines[0]
     (run,) = runs(tmp_path)
+    assert f"MLflow run {run.info.run_id} FAILED" in lines[0]
     assert run.info.status == "FAILED"
     assert run.data.tags["attnres.status"] == "FAILED"
     assert run.data.tags["attnres.failure_step"] == "3"
