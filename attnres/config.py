@@ -104,3 +104,9 @@ class ResidualConfig:
             raise ValueError(
                 f"residual.name={self.name!r} is not a known variant; allowed: {', '.join(VARIANTS)}"
             )
+        # The knobs the chosen variant reads, named as the command line names them.
+        knobs = {"sliding_window": ("window",), "hc": ("streams",), "mhc": ("streams", "sinkhorn_iters")}
+        for key in knobs.get(self.name, ()):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"residual.{key}={getattr(self, key)} must be a positive integer "
+                                 f"for residual={self.name}")

@@ -326,3 +326,11 @@ def test_depth_read_flops_count_only_the_work_the_variant_does(variant):
     expected += 2 * d * d * L if variant == "full_input_query" else 0
     assert m.residual.mixing_flops_per_token() == expected
     assert m.flops_per_token(64)["residual"] == 3 * expected
+
+
+@pytest.mark.parametrize("name, key", [("sliding_window", "window"), ("hc", "streams"), ("mhc", "streams"),
+                                       ("mhc", "sinkhorn_iters")])
+def test_a_variant_knob_below_one_is_refused_with_its_full_key(name, key):
+    with pytest.raises(ValueError, match=f"residual.{key}=0 must be a positive integer for residual={name}"):
+        ResidualConfig(name=name, **{key: 0})
+    ResidualConfig(name="block", **{key: 0})  # a knob another variant does not read is left alone
