@@ -179,6 +179,7 @@ def test_bad_arguments_exit_2_with_one_error_line(main, argv, message, capsys, t
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow  # in CI's second step (.ci/run): keeps the default run under 10 minutes
 def test_gpu_check_script_runs_under_the_triton_interpreter():
     """benchmarks/gpu_check.py is what run_gpu.sh first runs on a GPU; --smoke runs the same checks
     on CPU under TRITON_INTERPRET=1, so the script cannot rot unseen on a machine without one."""

@@ -167,6 +167,7 @@ def test_offline_lm_eval_tasks_end_to_end_into_mlflow(setup, monkeypatch, capsys
     assert results["results"]["tiny_mc"]["acc,none"] == m["eval/tiny_mc/acc"]
 
 
+@pytest.mark.slow  # in CI's second step (.ci/run): keeps the default run under 10 minutes
 def test_lm_eval_cli_wrapper_knows_attnres(setup, tmp_path):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed")
     tasks = tmp_path / "tasks"

@@ -95,6 +95,7 @@ def test_ctrl_c_checkpoints_ends_killed_in_one_line_and_the_same_command_resumes
     assert sorted(metric_steps(tmp_path, run.info.run_id, "train/loss")) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow  # in CI's second step (.ci/run): keeps the default run under 10 minutes
 def test_a_stopped_multirun_ends_its_parent_killed_and_the_rerun_finishes_it(tmp_path):
     """SIGTERM in a basic multirun: the job checkpoints and is KILLED, the multirun exits 75, its
     parent run is KILLED too (not FAILED: nothing failed); the same command finishes both jobs

@@ -350,6 +350,7 @@ def test_a_study_continues_only_with_the_overrides_it_started_with(tmp_path):
     assert len(study(tmp_path, "test").trials) == 3
 
 
+@pytest.mark.slow  # in CI's second step (.ci/run): keeps the default run under 10 minutes
 def test_a_dead_workers_trial_is_run_again(tmp_path, mlflow_uri):
     """kill -9 of a worker mid-trial: the next worker fails the trial as stale (void) and runs its
     slot again, and ends the dead trial's MLflow run KILLED (it stayed RUNNING before)."""
