@@ -46,6 +46,7 @@ from sqlalchemy.exc import (
     ProgrammingError,
 )
 
+from ._ledger import FAILURE_ATTR, VOID_ATTR
 from .config import SweeperConfigError
 
 DEFAULT_STORAGE_FILE = "optuna.db"
@@ -168,8 +169,8 @@ def _sqlite_pragmas(connection: Any, record: Any) -> None:
 
 
 def fail_stale_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """Fail the trials of dead workers, so that they are run again; return them, now failed (or
-    failed by another worker at the same moment), so that their MLflow runs can be ended."""
+    """Fail the trials of dead workers, so that they are run again; return them, now failed (by
+    this worker or another at the same moment), so that their MLflow runs can be ended."""
     running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -177,7 +178,8 @@ def fail_stale_trials(study: optuna.Study) -> list[FrozenTrial]:
     if not running:
         return []
     failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-    return [t for t in failed if t.number in running]
+    # Not those their own worker ended meanwhile (a genuine failure, or void when interrupted).
+    return [t for t in failed if t.number in running and not {FAILURE_ATTR, VOID_ATTR} & t.user_attrs.keys()]
 
 
 @contextmanager
