@@ -80,11 +80,24 @@ def _snapshot(names: list[str]) -> bytes:
     return buf.getvalue()
 
 
+def _untracked() -> tuple[str, ...]:
+    """Untracked files git does not ignore, less the bookkeeping of run folders (a
+    train.checkpoint_dir inside the project under another name than the ignored checkpoints/):
+    a folder holding both `.lock` and `run.json` is a run folder, not code."""
+    names = [n for n in (_git("ls-files", "--others", "--exclude-standard") or "").splitlines() if n]
+
+    def in_run_folder(name: str) -> bool:
+        folder = (PROJECT_ROOT / name).parent
+        return (folder / ".lock").is_file() and (folder / "run.json").is_file()
+
+    return tuple(n for n in names if not in_run_folder(n))
+
+
 @functools.lru_cache(maxsize=1)
 def code_state() -> CodeState:
     commit = (_git("rev-parse", "HEAD") or "").strip() or "(not a git checkout, or git is missing)"
     diff = _git("diff", "HEAD", "--no-color") or ""
-    untracked = tuple(n for n in (_git("ls-files", "--others", "--exclude-standard") or "").splitlines() if n)
+    untracked = _untracked()
     names = _source_files()
     h = hashlib.sha256()
     for name in names:

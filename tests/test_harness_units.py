@@ -333,3 +333,19 @@ def test_creatable_tries_the_folder_for_real_and_leaves_nothing(tmp_path):
     assert checkpoint.creatable(folder) is None and (tmp_path / "a").is_dir()
     assert not (tmp_path / "a" / "b").exists()
     assert isinstance(checkpoint.creatable(Path("/proc/no-such-dir/x")), OSError)
+
+
+def test_untracked_files_leave_out_run_folders_in_the_tree(tmp_path, monkeypatch):
+    """A checkpoint_dir inside the project (not the ignored checkpoints/) holds run folders: their
+    .lock and run.json are not code and stay out of code/untracked.txt; a real new file stays in."""
+    from harness import provenance
+
+    run = tmp_path / "ck" / "default" / "baseline-tiny-s0-0123456789ab"
+    run.mkdir(parents=True)
+    (run / ".lock").touch()
+    (run / "run.json").write_text("{}")
+    (tmp_path / "notes.py").write_text("x = 1\n")
+    listing = "ck/default/baseline-tiny-s0-0123456789ab/.lock\nck/default/baseline-tiny-s0-0123456789ab/run.json\nnotes.py\n"
+    monkeypatch.setattr(provenance, "PROJECT_ROOT", tmp_path)
+    monkeypatch.setattr(provenance, "_git", lambda *args: listing)
+    assert provenance._untracked() == ("notes.py",)
