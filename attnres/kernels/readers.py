@@ -148,7 +148,7 @@ class TorchReader(_ReaderBase):
         super().__init__(res, x, want_weights, two_phase)
         self.static = res.query_kind == "static"
         if self.static:
-            self.first_reader = res.first_readers()
+            self.first_reader, self.last_reader = res.first_readers(), res.last_readers()
 
     def add(self, v: torch.Tensor) -> None:
         res, v = self.res, self.flat(v)
@@ -156,9 +156,9 @@ class TorchReader(_ReaderBase):
         if not self.static:
             self.completed.append(_Source(v, column, inv_rms(v, res.eps) if res.key_norm else None))
             return
-        first = self.first_reader[column]
+        first, last = self.first_reader[column], self.last_reader[column]
         # Scores for every reader that will ever see this source, in one product.
-        s = source_scores(v, self.q_all[first:], self.H, res.eps if res.key_norm else None)
+        s = source_scores(v, self.q_all[first : last + 1], self.H, res.eps if res.key_norm else None)
         self.completed.append(_Source(v, column, None, s.unbind(-1), first))
 
     def read_once(self, l, partial, prev_h):

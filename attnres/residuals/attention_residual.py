@@ -158,6 +158,14 @@ class AttentionResidual(Residual):
             return [0] + [min(c * self.block_size, self.num_layers) for c in range(1, self.num_columns)]
         return list(range(self.num_columns))  # the output of sublayer c − 1 is first read by sublayer c
 
+    def last_readers(self) -> list[int]:
+        """For each column, the last reader that sees it: the output read L, except in a sliding
+        window, where the output of sublayer c − 1 leaves the window after reader c + W − 1."""
+        L = self.num_layers
+        if self.sources == "window":
+            return [L] + [min(c + self.window - 1, L) for c in range(1, self.num_columns)]
+        return [L] * self.num_columns
+
     def stream(self, embedding: torch.Tensor, sublayers: Sequence[SublayerFn], want_weights: bool):
         # The read path (PyTorch or Triton kernels) and the Block schedule (per read or two-phase)
         # are chosen in attnres.kernels; every combination computes the same model.
