@@ -215,6 +215,8 @@ def block_size_table(runs: pd.DataFrame, baseline: str = "baseline",
     for S, g in attn.dropna(subset=["S"]).groupby("S"):
         mean, half, n = t_interval(g[metric])
         nb = g["num_blocks"].dropna()
+        if not len(nb) and "layers" in g:  # N = L / S (L = 2·layers sublayers; last block may be short)
+            nb = np.ceil(2 * g["layers"].astype(float) / S).dropna()
         rows.append({"label": f"{int(S)}", "S": float(S),
                      "N": float(nb.iloc[0]) if len(nb) else np.nan, "n": n, "loss": mean,
                      "loss_ci": half})

@@ -91,3 +91,15 @@ def test_block_size_table():
     t = abl.block_size_table(runs).set_index("label")
     assert list(t.index) == ["1", "4", "8", "baseline"]  # S = 8 derived from 2·layers / N
     assert t.loc["4", "loss"] == pytest.approx(1.93) and t.loc["4", "n"] == 2
+
+
+def test_block_size_table_derives_N_when_only_S_is_logged():
+    """The block_size sweep logs residual.block_size but not num_blocks: N = 2·layers / S
+    (Fig. 6's second axis), S = 1 (Full) being N = L."""
+    runs = pd.DataFrame({
+        "variant": ["block", "block", "block", "baseline"], "block_size": [1, 4, 32, 4],
+        "layers": [16, 16, 16, 16], "num_blocks": [np.nan] * 4,
+        "final_val_loss": [1.9, 1.92, 1.95, 2.0]})
+    t = abl.block_size_table(runs).set_index("label")
+    assert t.loc["1", "N"] == 32 and t.loc["4", "N"] == 8 and t.loc["32", "N"] == 1
+    assert np.isnan(t.loc["baseline", "N"])

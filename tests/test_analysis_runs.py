@@ -68,6 +68,8 @@ def test_notebook_runs_on_a_snapshot(tmp_path):
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "16 points from snapshot runs.csv" in r.stdout
+    # Run as a script it prints its tables (laws and multipliers), not only the point count.
+    assert "multiplier" in r.stdout and "separate α" in r.stdout and "C^-" in r.stdout
     assert (tmp_path / "nb" / "scaling_fits.png").stat().st_size > 1000
 
 

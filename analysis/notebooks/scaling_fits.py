@@ -50,6 +50,13 @@ SNAPSHOT = Path(os.environ.get("ANALYSIS_SNAPSHOT", ROOT / "results" / "runs.csv
 N_BOOT = int(os.environ.get("ANALYSIS_N_BOOT", "1000"))
 OUT = os.environ.get("ANALYSIS_NOTEBOOK_OUT")  # where to save the figure; unset: do not save
 
+try:  # Jupyter renders tables; run as a script, print them (a bare expression prints nothing)
+    from IPython.display import display
+    get_ipython  # noqa: B018  (defined only inside IPython/Jupyter)
+except (ImportError, NameError):
+    def display(obj):
+        print(obj.to_string() if hasattr(obj, "to_string") else obj, end="\n\n")
+
 # %% [markdown]
 # ## Points: (compute, loss) per variant
 
@@ -64,7 +71,7 @@ else:
     source = "the paper's Table 2 (no snapshot found)"
 points = points.dropna()
 print(f"{len(points)} points from {source}")
-points.groupby("variant")["compute_pfd"].agg(["count", "min", "max"])
+display(points.groupby("variant")["compute_pfd"].agg(["count", "min", "max"]))
 
 # %% [markdown]
 # ## Fit L = A·C^-α per variant, with bootstrap intervals
@@ -76,8 +83,8 @@ fits = {}
 for v, g in points.groupby("variant"):
     if g["compute_pfd"].nunique() >= 2:
         fits[v] = fit_power_law(g["compute_pfd"], g["loss"], form, n_boot=N_BOOT, seed=0, name=v)
-pd.DataFrame([{"variant": v, "law": f.law.label(), **{f"{k}_ci": tuple(np.round(c, 4))
-              for k, c in f.ci().items() if k != "E"}} for v, f in fits.items()])
+display(pd.DataFrame([{"variant": v, "law": f.law.label(), **{f"{k}_ci": tuple(np.round(c, 4))
+                      for k, c in f.ci().items() if k != "E"}} for v, f in fits.items()]))
 
 # %% [markdown]
 # ## Compute multiplier over the baseline, at the largest compute, and with a shared exponent
@@ -93,7 +100,7 @@ if "baseline" in fits:
         if v != "baseline":
             rows.append((v, "separate α", *multiplier_at(fits["baseline"], fits[v], C_star)))
             rows.append((v, "shared α", *multiplier_at(shared["baseline"], shared[v], C_star)))
-pd.DataFrame(rows, columns=["variant", "fit", "multiplier", "lo", "hi"])
+display(pd.DataFrame(rows, columns=["variant", "fit", "multiplier", "lo", "hi"]))
 
 # %% [markdown]
 # ## Plot
