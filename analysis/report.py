@@ -68,6 +68,14 @@ def _config_key(runs) -> pd.Series:
     return runs[cols].apply(lambda c: c.map(text)).agg("/".join, axis=1)
 
 
+def _one_configuration(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs of the model configuration (model/d_model/layers/tokens) with the most runs."""
+    if runs.empty:
+        return runs
+    key = _config_key(runs)
+    return runs[key == key.value_counts().sort_index().idxmax()]
+
+
 def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     sel = fin[fin["section"] == "ablation"]
     if len(sel):
@@ -137,8 +145,10 @@ def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path
     runs["section"] = assign_roles(runs, opts.roles)
     fin = runs[runs["status"] == "FINISHED"]
     abl_runs, abl_note = _ablation_runs(fin)
-    # Figs. 5 and 8 compare variants at one depth: the ablation's runs when there are any.
-    dyn_runs = abl_runs if len(abl_runs) else fin
+    # Figs. 5 and 8 compare variants at one depth: the ablation's runs when there are any, else
+    # the finished runs of the model configuration with the most runs (profiles of different
+    # depths must not be averaged or compared as replicates).
+    dyn_runs = abl_runs if len(abl_runs) else _one_configuration(fin)
 
     jobs = [
         ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note)),

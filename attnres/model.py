@@ -96,7 +96,7 @@ class DecoderLM(nn.Module):
             self(idx)
         finally:
             self.residual.recorder = None
-        out_rms = torch.tensor(rec.output_rms).view(-1, 2)
+        out_rms = torch.tensor(rec.output_rms, dtype=torch.float64).view(-1, 2)
         return {
             "depth_weights": None if rec.weights is None else rec.weights.tolist(),
             "sublayer_kind": [s.kind for s in self.sublayers] + ["out"],

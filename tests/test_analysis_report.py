@@ -311,3 +311,15 @@ def test_unreachable_tracking_server_fails_at_once(tmp_path):
     assert len(err) == 1 and err[0].startswith(f"error: cannot read runs from http://127.0.0.1:{port}: "
                                                "no MLflow server answers there ("), err
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_dynamics_and_depth_sections_take_one_model_configuration():
+    """Without ablation runs the Fig. 5/8 sections fall back to the finished runs: those of one
+    model configuration (the most runs), never depths pooled as if they were seeds."""
+    import pandas as pd
+
+    from analysis.report import _one_configuration
+
+    runs = pd.DataFrame({"model": ["m"] * 3, "d_model": [64.0] * 3, "layers": [2.0, 4.0, 4.0],
+                         "tokens": [1e6] * 3, "run_id": ["a", "b", "c"]})
+    assert _one_configuration(runs)["run_id"].tolist() == ["b", "c"]

@@ -334,3 +334,18 @@ def test_a_variant_knob_below_one_is_refused_with_its_full_key(name, key):
     with pytest.raises(ValueError, match=f"residual.{key}=0 must be a positive integer for residual={name}"):
         ResidualConfig(name=name, **{key: 0})
     ResidualConfig(name="block", **{key: 0})  # a knob another variant does not read is left alone
+
+
+def test_output_rms_block_is_the_quadratic_mean_of_its_sublayers_in_float64():
+    """A Transformer block's output RMS (Fig. 5) is sqrt of the mean of its attention and MLP
+    outputs' squared RMS, kept in float64 (a float32 tensor rounded it by ~1e-9 relative)."""
+    import math
+
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=50, d_model=32, layers=3, n_heads=2, d_ff=64, max_seq_len=16)
+    m = DecoderLM(mc, ResidualConfig(name="block", block_size=2)).double()
+    info = m.inspect(torch.randint(0, 50, (2, 16)))
+    s = info["output_rms_sublayer"]
+    for b, got in enumerate(info["output_rms_block"]):
+        want = math.sqrt((s[2 * b] ** 2 + s[2 * b + 1] ** 2) / 2)
+        assert abs(got - want) <= 1e-15 * want
