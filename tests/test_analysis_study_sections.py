@@ -274,3 +274,18 @@ def test_scaling_notes_how_many_blocks_its_block_runs_had():
     assert note.startswith("Block AttnRes runs here have N = 1, 2 blocks") and "not the paper's Block" in note
     deep = shallow.assign(layers=[16, 12, 16], block_size=[4, 3, 4])
     assert sec._block_count_note(deep) == "Block AttnRes runs here have N = 8 blocks.\n\n"
+
+
+def test_the_fig8_share_of_rows_reading_their_predecessor_most():
+    """recent_is_largest: over sublayer rows with a choice (the output read left out), the share
+    whose largest weight is on the most recent visible source."""
+    from analysis.sections.depth import _diagonal
+
+    nan = float("nan")
+    W = [[1.0, nan, nan, nan],   # one source: no choice
+         [0.2, 0.8, nan, nan],   # the predecessor is largest
+         [0.6, 0.1, 0.3, nan],   # the embedding is largest
+         [0.1, 0.1, 0.1, 0.7]]   # the output read: left out of the share
+    d = _diagonal(W)
+    assert d["recent_is_largest"] == 0.5
+    assert abs(d["excess"] - ((0.8 + 0.3 + 0.7) / 3 - (1 / 2 + 1 / 3 + 1 / 4) / 3)) < 1e-12

@@ -88,19 +88,24 @@ def _diagonal(W) -> dict:
     """The Fig. 8 numbers of one run's depth-weight matrix (readers × sources, NaN where a source
     is not visible): mean weight on the embedding (source 0) over all readers, and over readers
     with a real choice (2+ sources) the mean weight on the most recent visible source, the mean
-    share a uniform average would give it, and their difference, the excess."""
+    share a uniform average would give it, and their difference, the excess. Also, closer to the
+    paper's wording ("each sublayer reads its predecessor most"), the share of sublayer readers
+    (the output read left out) with a choice whose largest weight is on the most recent source."""
     W = np.array(W, dtype=float)
     visible = np.isfinite(W)
     n_vis = visible.sum(axis=1)
-    last = np.array([W[i, np.flatnonzero(visible[i])[-1]] if visible[i].any() else np.nan
-                     for i in range(len(W))])
+    recent_col = np.array([np.flatnonzero(visible[i])[-1] if visible[i].any() else -1 for i in range(len(W))])
+    last = np.array([W[i, c] if c >= 0 else np.nan for i, c in enumerate(recent_col)])
     choice = n_vis >= 2
     if not choice.any():
         return {"readers": len(W), "embedding_weight": float(np.nanmean(W[:, 0])),
-                "recent_weight": np.nan, "uniform_share": np.nan, "excess": np.nan}
+                "recent_weight": np.nan, "uniform_share": np.nan, "excess": np.nan, "recent_is_largest": np.nan}
     recent, uniform = float(np.mean(last[choice])), float(np.mean(1.0 / n_vis[choice]))
+    sublayers = [i for i in range(len(W) - 1) if choice[i]]  # the last row is the output read
+    largest = [np.nanargmax(W[i]) == recent_col[i] for i in sublayers]
     return {"readers": len(W), "embedding_weight": float(np.nanmean(W[:, 0])),
-            "recent_weight": recent, "uniform_share": uniform, "excess": recent - uniform}
+            "recent_weight": recent, "uniform_share": uniform, "excess": recent - uniform,
+            "recent_is_largest": float(np.mean(largest)) if largest else np.nan}
 
 
 def _same_or_range(values):
@@ -136,7 +141,7 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
                      "embedding_weight": float(d["embedding_weight"].mean()),
                      "recent_weight": float(d["recent_weight"].mean()),
                      "uniform_share": float(d["uniform_share"].mean()),
-                     "excess": m, "excess_ci": h})
+                     "excess": m, "excess_ci": h, "recent_is_largest": float(d["recent_is_largest"].mean())})
     files = figures.depth_weights(chosen, out / "figures")
     if not rows:
         return Section(title, "No depth weights recorded in these runs (instrumentation artifacts "
@@ -148,7 +153,11 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
              "run: embedding_weight, the mean weight on source 0 over all readers; recent_weight "
              "and uniform_share, the mean weight on the most recent visible source and the share "
              "a uniform average would give it, over readers with two or more sources; excess, "
-             "their difference. The table gives means over runs, and excess ± its 95% t-interval "
+             "their difference; recent_is_largest, the share of sublayer readers with a choice "
+             "whose largest weight is on the most recent source (the paper's \"reads its "
+             "predecessor most\"; for Block that source is the partial sum, or at a block's first "
+             "sublayer the block just completed). The table gives means over runs, and excess ± "
+             "its 95% t-interval "
              "over runs (seeds): the readers of one run come from one trained model and are not "
              "replicates, so one run gives no interval. figure_run: the run the figure draws (the "
              "lowest seed).\n\n")
@@ -161,5 +170,7 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
             claims.append(Claim(f"{r['variant']}: each sublayer weights its most recent source "
                                 "above a uniform share (strong diagonal)",
                                 f"{r['recent_weight']:.3f} vs uniform {r['uniform_share']:.3f}; "
-                                + spread, _verdict(lo, hi, better_is_negative=False)))
+                                + spread + f"; the recent source is the largest in "
+                                f"{100 * r['recent_is_largest']:.0f}% of sublayer rows",
+                                _verdict(lo, hi, better_is_negative=False)))
     return Section(title, text + _img(files, out, "Fig. 8"), claims, files)
