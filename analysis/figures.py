@@ -203,8 +203,8 @@ def _heat(ax, grid, variant, title):
         return
     # One colour range per grid (ours / paper), so the variants' panels compare cell by cell.
     lo, hi = grid["loss"].min(), grid["loss"].max()
-    sns.heatmap(pv, ax=ax, annot=True, fmt=".3f", cmap="viridis_r", cbar=False, vmin=lo, vmax=hi,
-                annot_kws={"fontsize": 7}, xticklabels=[f"{c:g}" for c in pv.columns],
+    sns.heatmap(pv, ax=ax, annot=True, fmt=".3f", cmap="viridis_r", vmin=lo, vmax=hi,
+                cbar_kws={"label": "validation loss (lighter = lower)"}, annot_kws={"fontsize": 7}, xticklabels=[f"{c:g}" for c in pv.columns],
                 yticklabels=[f"{r:g}" for r in pv.index])
     ax.set_xlabel("d_model / L_b")
     ax.set_ylabel("heads / L_b")

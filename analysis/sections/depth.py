@@ -160,7 +160,7 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
              "its 95% t-interval "
              "over runs (seeds): the readers of one run come from one trained model and are not "
              "replicates, so one run gives no interval. figure_run: the run the figure draws (the "
-             "lowest seed).\n\n")
+             "lowest seed); each of its panels has its own colour scale, from 0.\n\n")
     claims = []
     for r in rows:
         if r["variant"] in ("full", "block"):
