@@ -26,7 +26,7 @@ import math
 import signal
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -328,9 +328,7 @@ class SweepRunner:
             raise
         outcome = _outcome(job)
         end_leftover_runs("KILLED" if outcome.state == TrialState.PRUNED else "FAILED")
-        attrs = {FAILURE_ATTR: outcome.failure} if outcome.failure is not None else {}
-        if outcome.void is not None:
-            attrs = {VOID_ATTR: outcome.void}
+        attrs = {k: v for k, v in ((FAILURE_ATTR, outcome.failure), (VOID_ATTR, outcome.void)) if v is not None}
         frozen = self._finish(
             study, trial, outcome.state, outcome.value, attrs, before, parent, tracker
         )
@@ -441,7 +439,7 @@ def study_prefix(settings: AttnresOptunaSweeperConf, config: DictConfig) -> str:
 
 def compose_jobs(
     loader: Any, config: DictConfig, settings: AttnresOptunaSweeperConf, plan: Plan, prefix: str,
-    check: Any = None,
+    check: Callable[[DictConfig], Any] | None = None,
 ) -> None:
     """Compose every cell's job config once, with a sample point, before anything runs; `check`
     (the app's own validation of a composed job config, if given) sees each, its errors raised as is."""

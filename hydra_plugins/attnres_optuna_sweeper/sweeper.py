@@ -7,6 +7,7 @@ in ``setup``, i.e. only when a multirun actually uses this sweeper.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, List
 
 from hydra.plugins.sweeper import Sweeper
@@ -29,9 +30,10 @@ class AttnresOptunaSweeper(Sweeper):
         self._runner: Any = None
 
     @staticmethod
-    def check_jobs(config: DictConfig, check: Any = None) -> None:
+    def check_jobs(config: DictConfig, check: Callable[[DictConfig], Any] | None = None) -> None:
         """Refuse bad options, or grid cells whose jobs do not compose, from the multirun config
-        alone (SweeperConfigError). For a multirun callback that writes before Hydra sets the
+        alone (SweeperConfigError); `check`, the app's validation of a job config, sees each
+        cell's job (its errors raised as they are). For a multirun callback that writes before Hydra sets the
         sweeper up (harness.callbacks creates the MLflow store): a refused sweep leaves nothing."""
         from hydra.core.global_hydra import GlobalHydra
         from hydra.core.override_parser.overrides_parser import OverridesParser
