@@ -18,15 +18,24 @@ import torch
 NORMALISERS = ("softmax", "sigmoid")
 
 
-def inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """1/rms over the channel dimension, kept as (..., 1) so it broadcasts over channels.
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The type sums are accumulated in: fp32 for half types, the type itself otherwise."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def inv_rms_acc(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1/rms over the channel dimension, (..., 1), in the accumulation type of v.
 
     Through the 2-norm (one reduction, no squared copy of v: this runs once per source). The
     sum of squares is taken in fp32 at least: in fp16 it overflows (65504) once rms(v)·sqrt(d)
     passes 256, which would make 1/rms zero and every read a plain mean."""
-    acc = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
-    norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=acc)
-    return torch.rsqrt(norm.square() / v.shape[-1] + eps).to(v.dtype)
+    norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=acc_dtype(v.dtype))
+    return torch.rsqrt(norm.square() / v.shape[-1] + eps)
+
+
+def inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1/rms over the channel dimension, kept as (..., 1) so it broadcasts over channels, in v's type."""
+    return inv_rms_acc(v, eps).to(v.dtype)
 
 
 def normalise_scores(scores: torch.Tensor, normaliser: str, dim: int = -1) -> torch.Tensor:

@@ -39,13 +39,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..depth_attention import acc_dtype, inv_rms_acc
+
 # Rows per tile: bounds the scratch buffer of the backward (for very many tokens), and at the
 # default sizes covers all tokens at once (smaller tiles measured slower: per-op overhead).
 _TILE_BYTES = 1 << 23
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _tiles(N: int, row_bytes: int):
@@ -150,8 +148,7 @@ class _SourceScores(torch.autograd.Function):
             raw = torch.bmm(v.view(N, H, -1).transpose(0, 1), Qv.view(R, H, -1).permute(1, 2, 0)).transpose(0, 1)
         rho = None
         if eps is not None:  # (N, 1), in fp32 for bf16/fp16 v: an fp16 sum of squares overflows
-            norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=acc_dtype(v.dtype))
-            rho = torch.rsqrt(norm.square() / d + eps)
+            rho = inv_rms_acc(v, eps)
         ctx.H, ctx.key_norm = H, eps is not None
         ctx.save_for_backward(v, Q, raw, *([rho] if rho is not None else []))
         return (raw * rho.unsqueeze(-1)).to(v.dtype) if rho is not None else raw.clone()
@@ -203,7 +200,7 @@ def _merge(o, lse, q, extras, eps, key_norm, sigmoid):
     rho, qv, t = [], [], [lse]
     for u in extras:
         ua = u.to(adt)
-        r = torch.rsqrt(torch.linalg.vector_norm(ua, dim=-1, keepdim=True).square() / d + eps) if key_norm else None
+        r = inv_rms_acc(ua, eps) if key_norm else None
         s = _head_dot(ua, qa, H)
         qv.append(s)
         rho.append(r)

@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..depth_attention import inv_rms, normalise_scores
+from ..depth_attention import acc_dtype, inv_rms, normalise_scores
 from . import ops
-from .mix import acc_dtype, merge_read, mix, source_scores
+from .mix import merge_read, mix, source_scores
 
 # Sublayers per phase-1 read for Full AttnRes (Block uses its block size). Per token the reads
 # touch about L/(2·C) + C/2 sources per sublayer, flat between 4 and 8 at L = 32; 8 measured
