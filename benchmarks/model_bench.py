@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
 from attnres import kernels  # noqa: E402
 from harness import malloc  # noqa: E402  (the allocator settings training runs with)
+from harness.resolvers import block_size_of  # noqa: E402  (the sweeps' S for N blocks)
 
 # Model presets: "default" is the harness's CPU default (conf/model/default.yaml: d_model 64,
 # 2 heads, d_ff 192; conf/train/default.yaml: batch 16 × 128, byte vocabulary) with
@@ -166,7 +167,7 @@ def main(argv=None) -> dict:
     blocks = preset["blocks"] if args.blocks is None else args.blocks
     if blocks is not None and blocks < 1:
         ap.error(f"--blocks {blocks}: the number of blocks must be at least 1")
-    block_size = None if blocks is None else max(1, round(2 * cfg.layers / blocks))
+    block_size = None if blocks is None else block_size_of(cfg.layers, blocks)  # as ${blocks:N}
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

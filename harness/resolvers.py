@@ -96,7 +96,12 @@ def block_size_for(blocks: Any, *, _root_: DictConfig) -> int:
     layers, n = OmegaConf.select(_root_, "model.layers"), int(blocks)
     if layers is None or n < 1:
         raise ValueError(f"${{blocks:{blocks}}} needs model.layers and a positive number of blocks")
-    return max(1, round(2 * int(layers) / n))
+    return block_size_of(int(layers), n)
+
+
+def block_size_of(layers: int, blocks: int) -> int:
+    """S for about `blocks` blocks over the 2·layers sublayers of `layers` Transformer blocks."""
+    return max(1, round(2 * layers / blocks))
 
 
 def launch_now(pattern: str) -> str:
