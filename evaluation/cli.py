@@ -7,13 +7,16 @@
 
 Prints `eval/<task>/<metric> value` lines; with a run (named, or --log-to) the same metrics and
 `eval/<kind>.json` artifacts go into that MLflow run; `--output FILE` also writes them as JSON.
-Bad input (missing checkpoint, unknown run, bad option, unknown task) is one line on stderr and
-exit status 2; a failure while evaluating is one line and exit status 1.
+Bad input (missing checkpoint, unknown run, bad option, unknown task, an --output that cannot be
+a file) is one line on stderr and exit status 2, before anything is evaluated; a failure while
+evaluating or writing is one line and exit status 1, and --output is then absent or the previous
+file, never a half-written one.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -55,6 +58,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         problem = _device_problem(args.device)
         if problem:
             return _fail(f"--device {args.device}: {problem}", 2)
+    if args.output:
+        # Checked now: found only after the evaluation (lm-eval tasks can take hours), it lost
+        # every result, and the MLflow logging after it, to a traceback.
+        problem = _output_problem(Path(args.output))
+        if problem:
+            return _fail(f"--output {args.output}: {problem}", 2)
     try:
         from attnres.io import CheckpointError
 
@@ -127,7 +136,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     for key, value in sorted(metrics.items()):
         print(f"eval/{key} {value:.6g}")
     if args.output:
-        Path(args.output).write_text(json.dumps({"metrics": metrics, **artifacts}, indent=2, default=str))
+        from harness.checkpoint import atomic_write
+
+        out, text = Path(args.output), json.dumps({"metrics": metrics, **artifacts}, indent=2, default=str)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # A full disk mid-write must not leave a truncated JSON file that reads as a result.
+            atomic_write(out, lambda tmp: tmp.write_text(text))
+        except OSError as e:
+            return _fail(f"--output {out}: cannot write ({e.strerror or e})", 1)
     if source.run_id and not args.no_log:
         from .tracking import log_to_run
 
@@ -161,6 +178,20 @@ def _device_problem(name: str) -> Optional[str]:
             return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
     elif device.type != "cpu":
         return f"{device.type} devices are not supported by the evaluation; allowed: cpu, cuda, cuda:<index>"
+    return None
+
+
+def _output_problem(path: Path) -> Optional[str]:
+    """Why --output cannot become a file (None if it can); missing folders are created later."""
+    if path.is_dir():
+        return "is a folder; allowed: a file path (missing folders are created)"
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK):
+        return f"cannot write in {existing}"
     return None
 
 

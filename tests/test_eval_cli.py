@@ -210,6 +210,35 @@ def test_bad_input_is_one_line_and_exit_2(setup, capsys, monkeypatch, argv, mess
     assert message.replace("{port}", port) in err and len(err.splitlines()) == 1 and err.startswith("evaluation: ")
 
 
+def test_an_output_that_cannot_be_a_file_is_refused_before_evaluating(setup, capsys, tmp_path):
+    """It was found only after the evaluation, as a traceback that lost every result."""
+    (tmp_path / "afile").write_text("x")
+    for bad, message in ((tmp_path, "is a folder"), (tmp_path / "afile" / "r.json", "is a file, not a folder")):
+        assert main([str(setup["ck"]), "--output", str(bad)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # nothing was evaluated
+        err = captured.err.strip()
+        assert err.startswith(f"evaluation: --output {bad}: ") and message in err and len(err.splitlines()) == 1
+
+
+def test_a_failed_output_write_leaves_no_half_written_file(setup, tmp_path):
+    """A write that fails midway (here: a file size limit of 64 bytes, as a full disk would) is one
+    line and exit 1, and leaves no truncated JSON behind; it left the first 64 bytes and a traceback."""
+    out = tmp_path / "results" / "r.json"
+    code = (
+        "import resource, signal, sys; from evaluation.cli import main; "
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # a write past the limit then fails with EFBIG
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64)); "
+        f"sys.exit(main([{str(setup['ck'])!r}, '--max-batches', '1', '--output', {str(out)!r}]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1", "ATTNRES_CACHE": "off"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    err = result.stderr.strip()
+    assert result.returncode == 1, err[-2000:]
+    assert err.startswith(f"evaluation: --output {out}: cannot write") and len(err.splitlines()) == 1, err[-2000:]
+    assert list(out.parent.iterdir()) == []
+
+
 def test_runs_are_read_from_run_pys_store_wherever_the_command_starts(setup, capsys, monkeypatch, tmp_path):
     """Without --tracking-uri or $MLFLOW_TRACKING_URI a run id is looked up where run.py logs
     (<project root>/mlflow.db, here a stand-in root), not in ./mlflow.db of the working folder; a
