@@ -55,7 +55,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.skip_heldout and not args.probe and not tasks:
         return _fail("nothing to evaluate: --skip-heldout without --probe or --tasks", 2)
     if args.device:
-        problem = _device_problem(args.device)
+        problem = device_problem(args.device)
         if problem:
             return _fail(f"--device {args.device}: {problem}", 2)
     if args.output:
@@ -163,8 +163,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def _device_problem(name: str) -> Optional[str]:
-    """Why --device cannot be used here (None if it can): checked before anything is loaded."""
+def device_problem(name: str) -> Optional[str]:
+    """Why --device cannot be used here (None if it can): checked before anything is loaded (both commands)."""
     import torch
 
     try:

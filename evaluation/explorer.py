@@ -156,6 +156,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompts < 0 or args.length < 2:
         return _fail("--prompts must be ≥ 0 and --length ≥ 2", 2)
+    # The evaluation command's check: torch's own errors here were "AssertionError: Torch not
+    # compiled with CUDA enabled" or a list of twenty device types, with nothing allowed named.
+    from .cli import device_problem
+
+    problem = device_problem(args.device)
+    if problem:
+        return _fail(f"--device {args.device}: {problem}", 2)
     try:
         from attnres.io import CheckpointError
 

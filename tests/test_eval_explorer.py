@@ -88,6 +88,17 @@ def test_command_writes_a_page_and_refuses_variants_without_depth_weights(checkp
     assert "'baseline' has no attention over depth" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("device, message", [("tpu9", "not a device name; allowed: cpu, cuda"), ("cuda:99", "allowed: cpu")])
+def test_a_device_that_cannot_be_used_is_one_line(checkpoint, tmp_path, capsys, device, message):
+    """As the evaluation command says it; the explorer passed torch's own error through."""
+    if message == "allowed: cpu" and torch.cuda.is_available():
+        message = "CUDA device(s)"
+    assert main([str(checkpoint), "--out", str(tmp_path / "d.html"), "--device", device]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"explorer: --device {device}: ") and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "d.html").exists()
+
+
 def test_logged_into_the_mlflow_run(checkpoint, tmp_path):
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
