@@ -61,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.output:
         # Checked now: found only after the evaluation (lm-eval tasks can take hours), it lost
         # every result, and the MLflow logging after it, to a traceback.
-        problem = _output_problem(Path(args.output))
+        problem = output_problem(Path(args.output))
         if problem:
             return _fail(f"--output {args.output}: {problem}", 2)
     try:
@@ -181,7 +181,7 @@ def device_problem(name: str) -> Optional[str]:
     return None
 
 
-def _output_problem(path: Path) -> Optional[str]:
+def output_problem(path: Path) -> Optional[str]:
     """Why --output cannot become a file (None if it can); missing folders are created later."""
     if path.is_dir():
         return "is a folder; allowed: a file path (missing folders are created)"

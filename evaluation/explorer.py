@@ -158,11 +158,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _fail("--prompts must be ≥ 0 and --length ≥ 2", 2)
     # The evaluation command's check: torch's own errors here were "AssertionError: Torch not
     # compiled with CUDA enabled" or a list of twenty device types, with nothing allowed named.
-    from .cli import device_problem
+    from .cli import device_problem, output_problem
 
     problem = device_problem(args.device)
     if problem:
         return _fail(f"--device {args.device}: {problem}", 2)
+    problem = output_problem(Path(args.out))
+    if problem:
+        return _fail(f"--out {args.out}: {problem}", 2)
     try:
         from attnres.io import CheckpointError
 
@@ -193,10 +196,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     page = render_page(explorer_data(source.model, prompts, tokenizer, title, subtitle))
     out = Path(args.out)
     try:
+        from harness.checkpoint import atomic_write
+
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(page, encoding="utf-8")
+        # Through a temporary file: a full disk mid-write left a truncated page that opens blank.
+        atomic_write(out, lambda tmp: tmp.write_text(page, encoding="utf-8"))
     except OSError as e:
-        return _fail(f"{out}: cannot write ({e.strerror})", 2)
+        return _fail(f"{out}: cannot write ({e.strerror or e})", 1)
     print(f"wrote {out} ({out.stat().st_size // 1024} KB, {len(prompts)} prompts)")
     if source.run_id and not args.no_log:
         import shutil
