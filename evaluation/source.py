@@ -70,20 +70,37 @@ def data_settings(source: Source, overrides: Optional[list[str]] = None, seq_len
         print(f"evaluation: {source.label} records no data settings; using the defaults (stdlib corpus)", file=sys.stderr)
     fields = {f.name: f for f in dataclasses.fields(DataConfig)}
     node = {k: v for k, v in node.items() if k in fields}
+    where = {k: f"{source.label}: data.{k}" for k in node}
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or key not in fields:
             raise CheckpointError(f"--data {item!r}: expected key=value with key one of {', '.join(fields)}")
-        node[key] = _parse_value(value)
-    try:
-        cfg = DataConfig(**node)
-    except TypeError as e:
-        raise CheckpointError(f"{source.label}: invalid data settings: {e}") from None
+        node[key], where[key] = _parse_value(value), f"--data {key}"
+    cfg = _typed_data_config(node, fields, where)
     train = source.config.get("train") if isinstance(source.config.get("train"), dict) else {}
     seq_len = seq_len or train.get("seq_len") or source.model.config.max_seq_len
     if seq_len > source.model.config.max_seq_len:
         raise CheckpointError(f"seq_len={seq_len} exceeds the model's max_seq_len={source.model.config.max_seq_len}")
     return cfg, int(seq_len)
+
+
+def _typed_data_config(node: dict, fields: dict, where: dict):
+    """DataConfig with each value checked against its field's type, as Hydra checks `data.*`
+    overrides for run.py. Unchecked, `--data val_fraction=abc` surfaced as "TypeError: '<' not
+    supported between instances of 'float' and 'str'" (exit 1) and `n_vars=abc` as a bare int()
+    error, neither naming the setting."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from harness.data import DataConfig
+
+    schema = OmegaConf.structured(DataConfig)
+    for key, value in node.items():
+        try:
+            OmegaConf.merge(schema, {key: value})
+        except OmegaConfBaseException:
+            raise CheckpointError(f"{where[key]}={value!r}: not a valid {fields[key].type}") from None
+    return OmegaConf.to_object(OmegaConf.merge(schema, node))
 
 
 def _resolved_run_config(run_id: str, tracking_uri: Optional[str]) -> dict:
