@@ -131,7 +131,7 @@ def validation_prompts(source, tokenizer, n: int, length: int, data_overrides: O
         if len(newline) == 1 and newline[0] in window[: length // 2]:
             cut = window.index(newline[0]) + 1
             if len(window) - cut >= length:
-                window = window[cut:]
+                window, start = window[cut:], start + cut  # the name gives where the prompt starts
         ids = window[:length]
         out.append((f"validation #{i + 1} (offset {start}): {tokenizer.decode(ids)[:40]!r}", ids))
     return out

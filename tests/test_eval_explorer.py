@@ -124,6 +124,21 @@ def test_an_out_that_cannot_be_written_leaves_nothing_half_written(checkpoint, t
     assert list(out.parent.iterdir()) == []
 
 
+def test_prompt_names_give_where_in_the_split_each_prompt_starts(checkpoint):
+    """The offset in a prompt's name was the window's start before the move to the next line."""
+    from evaluation.explorer import validation_prompts
+    from evaluation.source import data_settings, open_source
+    from harness.data import load_data
+
+    source = open_source(str(checkpoint), device="cpu")
+    val = load_data(data_settings(source)[0], 32).val
+    prompts = validation_prompts(source, ByteTokenizer(), 4, 32)
+    offsets = [int(re.search(r"\(offset (\d+)\)", name).group(1)) for name, _ in prompts]
+    for offset, (name, ids) in zip(offsets, prompts):
+        assert val[offset : offset + 32].tolist() == ids, name
+    assert any(val[o - 1] == ord("\n") for o in offsets if o > 0)  # some prompt did move to a line start
+
+
 def test_logged_into_the_mlflow_run(checkpoint, tmp_path):
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
