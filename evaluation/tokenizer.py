@@ -40,8 +40,12 @@ class ByteTokenizer:
         return bytes([i]) if 0 <= i < 256 else b""
 
     def label(self, i: int) -> str:
-        """A printable label of one token, for the explorer."""
-        return _printable(bytes([i]).decode("latin-1")) if 0 <= i < 256 else f"<{i}>"
+        """A printable label of one token, for the explorer. Bytes ≥ 0x80 are pieces of UTF-8
+        characters, shown as \\xNN: as Latin-1 glyphs they read as other characters ("é" as "Ã©"),
+        and 0xB7 ("·") looked exactly like a space."""
+        if not 0 <= i < 256:
+            return f"<{i}>"
+        return _printable(chr(i)) if i < 128 else f"\\x{i:02x}"
 
 
 class GPT2Tokenizer:

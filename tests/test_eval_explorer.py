@@ -69,6 +69,15 @@ def test_data_are_the_models_weights(name, block_size):
     assert data["prompts"][0]["tokens"][9] == "⏎"
 
 
+def test_byte_labels_are_distinct():
+    """Each byte has its own label in the token strip; space and 0xB7 were both "·", and bytes of
+    UTF-8 characters showed as Latin-1 letters."""
+    tok = ByteTokenizer()
+    labels = [tok.label(i) for i in range(256)]
+    assert len(set(labels)) == 256
+    assert labels[ord(" ")] == "·" and labels[0xB7] == "\\xb7" and [tok.label(b) for b in "é".encode()] == ["\\xc3", "\\xa9"]
+
+
 def test_block_boundaries():
     lay = layout(tiny("block", layers=3, block_size=4))  # 6 sublayers, S = 4: blocks 0-3 and 4-5
     assert [c["label"] for c in lay["cols"]] == ["emb", "b1", "b2"]
