@@ -75,6 +75,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             tokenizer = tokenizer_for(source.model.config.vocab_size, args.tokenizer)
         except TokenizerError as e:
+            if args.tokenizer:  # asked for by name: the user's choice does not fit, not a detail to skip
+                return _fail(f"--tokenizer {args.tokenizer}: {e}", 2)
             if tasks:
                 raise
             # Held-out loss needs no tokenizer; only bits per byte does.

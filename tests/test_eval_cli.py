@@ -192,6 +192,7 @@ def test_lm_eval_cli_wrapper_knows_attnres(setup, tmp_path):
         (["{ck}", "--data", "name=nope"], "data.name='nope'"),
         (["{ck}", "--data", "colour=red"], "--data 'colour=red'"),
         (["{ck}", "--data", "val_fraction=abc"], "--data val_fraction='abc': not a valid float"),
+        (["{ck}", "--tokenizer", "gpt2"], "--tokenizer gpt2: "),  # named but unusable: no tiktoken, or 50257 ids > 256
         (["{ck}", "--probe", "--data", "name=multihop", "--data", "n_vars=many"], "--data n_vars='many': not a valid int"),
         (["{ck}", "--data", "hops=[1,x]"], "--data hops=[1, 'x']: not a valid List[int]"),
         (["{ck}", "--seq-len", "999"], "max_seq_len=64"),
