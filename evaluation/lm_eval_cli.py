@@ -10,6 +10,7 @@ works from a checkout that is not installed (PYTHONPATH=.). It imports the adapt
 the unchanged arguments to lm-eval's CLI, so every lm_eval option and output is exactly lm_eval's.
 (A console script `attnres-lm-eval` pointing at `main` gives the same command a shorter name.)
 Results are not logged to MLflow here: `python -m evaluation RUN --tasks …` does that.
+A `pretrained=` that cannot be loaded is one line and exit status 2.
 """
 from __future__ import annotations
 
@@ -25,8 +26,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ImportError as e:
         print(f"lm_eval_cli: lm-evaluation-harness is not installed ({e}); pip install 'lm-eval==0.4.13'", file=sys.stderr)
         raise SystemExit(2) from None
+    from attnres.io import CheckpointError
+
+    from .tokenizer import TokenizerError
+
     sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (CheckpointError, TokenizerError) as e:
+        # pretrained= that cannot be loaded, or no tokenizer for it: our one-line messages, which
+        # reached the user as the last line of a traceback through lm-eval's model construction.
+        print(f"lm_eval_cli: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -184,6 +184,24 @@ def test_lm_eval_cli_wrapper_knows_attnres(setup, tmp_path):
     assert "tiny_mc" in out.stdout and "acc" in out.stdout
 
 
+def test_lm_eval_cli_wrapper_says_a_bad_checkpoint_in_one_line(tmp_path, capsys, monkeypatch):
+    """A pretrained= that cannot be loaded ended the wrapper with a traceback through lm-eval."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed")
+    from evaluation.lm_eval_cli import main as lm_eval_main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_tasks(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        lm_eval_main(["--model", "attnres", "--model_args", "pretrained=/no/such/checkpoint", "--tasks", "tiny_mc",
+                      "--include_path", str(tmp_path), "--device", "cpu"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("lm_eval_cli: /no/such/checkpoint: no such file or folder, and not an "
+                                            "MLflow run id (32 hex characters) or runs:/ URI")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
