@@ -3,7 +3,8 @@
 Runs the model on a few validation prompts, records every depth-attention weight (each reader —
 every sublayer, then the output read — over each source, at every token) and writes one
 self-contained interactive HTML page (evaluation.explorer_page). Given an MLflow run, the page is
-also logged into it as `explorer/depth.html`, which the MLflow UI opens in place.
+also logged into it as `explorer/depth.html`, which the MLflow UI opens in place; run.py logs the
+same page (default prompts) at the end of training (`training_run_page`).
 
 Design decisions:
 - Prompts come from the run's own validation split (held-out text, as the model would see it):
@@ -105,21 +106,32 @@ def explorer_data(model, prompts: list[tuple[str, list[int]]], tokenizer, title:
 
 def validation_prompts(source, tokenizer, n: int, length: int, data_overrides: Optional[list[str]] = None) -> list[tuple[str, list[int]]]:
     """Prompts from the run's validation split (see the module docstring)."""
-    from harness.data import MultiHopProbe, load_data
+    from harness.data import load_data
 
     from .source import data_settings
 
     data_cfg, _ = data_settings(source, data_overrides)
     if data_cfg.name == "multihop":
-        probe = MultiHopProbe.from_config(data_cfg)
-        out = []
-        for k, examples in probe.val_set().items():
-            if examples:
-                ex = examples[0]
-                out.append((f"{k} hop{'s' if k > 1 else ''}: {ex.prompt}{ex.answer}", list(f"\n{ex.prompt}{ex.answer}".encode("ascii"))))
-        return out[:n] if n else out
+        return probe_prompts(data_cfg, n)
     length = min(length, source.model.config.max_seq_len)
-    val = load_data(data_cfg, length).val  # checks that the split holds a prompt of this length
+    return split_prompts(load_data(data_cfg, length).val, tokenizer, n, length)  # load_data checks the length
+
+
+def probe_prompts(data_cfg, n: int) -> list[tuple[str, list[int]]]:
+    """One held-out multi-hop example per hop count, answer included (all of them when n is 0)."""
+    from harness.data import MultiHopProbe
+
+    out = []
+    for k, examples in MultiHopProbe.from_config(data_cfg).val_set().items():
+        if examples:
+            ex = examples[0]
+            out.append((f"{k} hop{'s' if k > 1 else ''}: {ex.prompt}{ex.answer}", list(f"\n{ex.prompt}{ex.answer}".encode("ascii"))))
+    return out[:n] if n else out
+
+
+def split_prompts(val: torch.Tensor, tokenizer, n: int, length: int) -> list[tuple[str, list[int]]]:
+    """n windows of `length` tokens spread evenly over a validation split, each moved to start
+    after a newline when one is within its first half (whole lines read better)."""
     if len(val) < length:
         raise ValueError(f"the validation split has {len(val)} tokens, fewer than --length={length}")
     newline = tokenizer.encode("\n")
@@ -127,7 +139,6 @@ def validation_prompts(source, tokenizer, n: int, length: int, data_overrides: O
     for i in range(n):
         start = (len(val) - length) * i // max(1, n - 1) if n > 1 else 0
         window = val[start : start + 2 * length].long().tolist()
-        # Start after a newline when one is within the first half window: whole lines read better.
         if len(newline) == 1 and newline[0] in window[: length // 2]:
             cut = window.index(newline[0]) + 1
             if len(window) - cut >= length:
@@ -135,6 +146,37 @@ def validation_prompts(source, tokenizer, n: int, length: int, data_overrides: O
         ids = window[:length]
         out.append((f"validation #{i + 1} (offset {start}): {tokenizer.decode(ids)[:40]!r}", ids))
     return out
+
+
+def page(model, prompts: list[tuple[str, list[int]]], tokenizer, name: str, run_id: Optional[str] = None) -> str:
+    """The explorer page of a model on these prompts, titled with `name` (a path or run id)."""
+    from .explorer_page import render_page
+
+    m, r = model.config, model.residual_config
+    title = f"Depth attention · {r.name} · {name}"
+    subtitle = (
+        f"variant {r.name}, {m.layers} Transformer blocks ({2 * m.layers} sublayers), d_model {m.d_model}, "
+        f"vocabulary {m.vocab_size} ({tokenizer.name})" + (f", MLflow run {run_id}" if run_id else "")
+    )
+    return render_page(explorer_data(model, prompts, tokenizer, title, subtitle))
+
+
+def training_run_page(model, data_cfg, val: torch.Tensor, run_id: str, n: int = 6, length: int = 48) -> Optional[str]:
+    """The page run.py logs into every run whose variant has depth weights, at the end of training
+    (issue: "for a run, one self-contained HTML file logged as an MLflow artifact"): the command's
+    default prompts, from the split the run validated on, already in memory. None for variants
+    without attention over depth."""
+    from .tokenizer import tokenizer_for
+
+    if not getattr(model.residual, "has_depth_weights", False):
+        return None
+    tokenizer = tokenizer_for(model.config.vocab_size, None)
+    if data_cfg.name == "multihop":
+        prompts = probe_prompts(data_cfg, n)
+    else:
+        length = min(length, model.config.max_seq_len, len(val))
+        prompts = split_prompts(val, tokenizer, n, length)
+    return page(model, prompts, tokenizer, run_id, run_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,22 +227,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as e:
         return _fail(f"{args.source}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", 2)
 
-    from .explorer_page import render_page
-
-    m, r = source.model.config, source.model.residual_config
-    title = f"Depth attention · {r.name} · {Path(args.source).name if Path(args.source).exists() else args.source}"
-    subtitle = (
-        f"variant {r.name}, {m.layers} Transformer blocks ({2 * m.layers} sublayers), d_model {m.d_model}, "
-        f"vocabulary {m.vocab_size} ({tokenizer.name})" + (f", MLflow run {source.run_id}" if source.run_id else "")
-    )
-    page = render_page(explorer_data(source.model, prompts, tokenizer, title, subtitle))
+    name = Path(args.source).name if Path(args.source).exists() else args.source
+    html = page(source.model, prompts, tokenizer, name, source.run_id)
     out = Path(args.out)
     try:
         from harness.checkpoint import atomic_write
 
         out.parent.mkdir(parents=True, exist_ok=True)
         # Through a temporary file: a full disk mid-write left a truncated page that opens blank.
-        atomic_write(out, lambda tmp: tmp.write_text(page, encoding="utf-8"))
+        atomic_write(out, lambda tmp: tmp.write_text(html, encoding="utf-8"))
     except OSError as e:
         return _fail(f"{out}: cannot write ({e.strerror or e})", 1)
     print(f"wrote {out} ({out.stat().st_size // 1024} KB, {len(prompts)} prompts)")

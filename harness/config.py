@@ -140,6 +140,7 @@ class TrackingConfig:
     log_env: bool = True  # pip freeze
     log_plots: bool = True  # depth-weight heat map and magnitude plots at the end
     log_model: bool = True  # the trained model as artifact model/ (attnres.save_pretrained; attnres.load(run_id))
+    log_explorer: bool = True  # the depth-map explorer page explorer/depth.html (variants with depth weights)
     flush_seconds: float = 5.0  # metrics are buffered and written in batches at most this often
 
 

@@ -183,10 +183,13 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         if c.tracking.log_plots and tracker.enabled and trainer.history:
             tracker.log_figure(instrument.depth_weights_figure(trainer.history[-1], label), "plots/depth_weights.png")
             tracker.log_figure(instrument.magnitudes_figure(trainer.history, label), "plots/magnitudes.png")
-        if c.tracking.log_model and c.tracking.enabled:
+        explorer = c.tracking.log_explorer and trainer.model.residual.has_depth_weights
+        if (c.tracking.log_model or explorer) and c.tracking.enabled:
             model = trainer.export_model()  # under FSDP a gather: every rank takes part
-            if tracker.enabled:
+            if tracker.enabled and c.tracking.log_model:
                 _log_model(tracker, model, plain)
+            if tracker.enabled and explorer:
+                _log_explorer(tracker, model, spec, data)
     except BaseException as error:
         _end_on_error(tracker, folder, error)
         # Stopped on request: the run is KILLED and resumable; one line, not a traceback, and every
@@ -276,6 +279,22 @@ def _log_model(tracker, model, plain: dict[str, Any]) -> None:
         folder = save_pretrained(model, Path(tmp) / "model", extra={"data": plain["data"], "train": plain["train"]})
         for path in sorted(folder.iterdir()):
             tracker.log_file(str(path), "model")
+
+
+def _log_explorer(tracker, model, spec: RunSpec, data: TokenData) -> None:
+    """Artifact explorer/depth.html: the depth-map explorer (evaluation.explorer) on prompts from
+    the split the run validated on, so every run opens its depth maps in the MLflow UI. A page
+    that cannot be built (no tokenizer for the vocabulary, say) is a warning: the run trained."""
+    from evaluation.explorer import training_run_page
+
+    try:
+        html = training_run_page(model, spec.cfg.data, data.val, tracker.run_id)
+    except Exception as e:  # noqa: BLE001 - the page is an extra; the run's result stands without it
+        log.warning("no explorer page for this run (%s: %s); `python -m evaluation.explorer %s` makes one",
+                    type(e).__name__, e, tracker.run_id)
+        return
+    if html is not None:
+        tracker.log_text(html, "explorer/depth.html")
 
 
 def _in_trial() -> bool:

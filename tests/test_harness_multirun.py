@@ -91,6 +91,23 @@ def test_instrumentation_json_follows_the_schema(multirun):
             assert len(rec["depth_weights"]) == 5
 
 
+def test_runs_with_depth_weights_carry_the_page_the_explorer_command_makes(multirun, tmp_path):
+    """Issue 9: the depth-map explorer is logged into every run that has depth weights, so it opens
+    in the MLflow UI after training; it is the page `python -m evaluation.explorer <run id>` writes."""
+    from evaluation.explorer import main as explorer
+
+    c = client(multirun)
+    for run in (r for r in runs(multirun) if r.data.tags.get("attnres.role") == "job"):
+        rid, variant = run.info.run_id, run.data.params["residual.name"]
+        logged = "explorer/depth.html" in artifacts(multirun, rid, "explorer")
+        assert logged == (variant != "baseline"), variant
+        if logged:
+            page = Path(c.download_artifacts(rid, "explorer/depth.html", str(tmp_path))).read_text()
+            out = tmp_path / f"{variant}.html"
+            assert explorer([rid, "--tracking-uri", f"sqlite:///{multirun / 'mlflow.db'}", "--out", str(out), "--no-log"]) == 0
+            assert page == out.read_text()
+
+
 def test_rerunning_the_multirun_reuses_its_parent_and_trains_nothing(multirun):
     before = {r.info.run_id for r in runs(multirun)}
     result = run_cli(["-m", f"residual={','.join(VARIANTS)}", *TINY], multirun)
