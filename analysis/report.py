@@ -7,8 +7,10 @@ per sweep), the names of the harness's ready sweeps: ``ablation`` (Table 4), ``b
 of these
 (``scaling_gpu``) goes to that section; ``--role SWEEP=SECTION`` assigns any other. Runs of no
 known sweep (ad-hoc runs, ``python run.py -m residual=...``) still get an ablation-style table
-when there is no ablation sweep, restricted to the model configuration with the most runs so the
-comparison stays like for like.
+when there is no ablation sweep. Runs compared as seeds must share the model and the training
+recipe (``CONFIG_COLUMNS``: shape, tokens, learning rate, batch, context, data): where the ablation
+runs hold several such configurations, the one with the most runs is taken and the report says
+so, so the comparison stays like for like.
 
 Only FINISHED runs enter the statistics; every other run is listed in the report with its status
 and failure reason, never dropped silently. A section whose data is missing says so; a section
@@ -59,39 +61,60 @@ def assign_roles(runs: pd.DataFrame, overrides: dict[str, str] | None = None) ->
     return runs["sweep"].map(role)
 
 
-def _config_key(runs) -> pd.Series:
-    """model/d_model/layers/tokens of each run as one string ("?" where not logged)."""
-    def text(x):
-        return "?" if pd.isna(x) else f"{x:g}" if isinstance(x, float) else str(x)
+# What runs compared as seeds of one table must share: the model and the training recipe. Only
+# the residual (what the comparison varies) and the seed may differ; runs at another learning
+# rate, budget, batch, context or corpus are a different experiment, not more seeds. Columns a
+# run set lacks (an older snapshot) are left out.
+CONFIG_COLUMNS = ("model", "d_model", "layers", "n_heads", "d_ff", "tokens", "lr", "batch_size",
+                  "seq_len", "data", "data_fingerprint")
 
-    cols = ["model", "d_model", "layers", "tokens"]
-    return runs[cols].apply(lambda c: c.map(text)).agg("/".join, axis=1)
+
+def _text(x) -> str:
+    return "?" if pd.isna(x) else f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _config_key(runs) -> pd.Series:
+    """The CONFIG_COLUMNS of each run as one string ("?" where not logged)."""
+    cols = [c for c in CONFIG_COLUMNS if c in runs]
+    return runs[cols].apply(lambda c: c.map(_text)).agg("/".join, axis=1)
 
 
 def _one_configuration(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs of the model configuration (model/d_model/layers/tokens) with the most runs."""
+    """The runs of the configuration (CONFIG_COLUMNS) with the most runs."""
     if runs.empty:
         return runs
     key = _config_key(runs)
     return runs[key == key.value_counts().sort_index().idxmax()]
 
 
+def _restricted(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """(the runs of the configuration with the most runs, a note naming it by the columns that
+    differ between configurations; "" when there is one configuration)."""
+    key = _config_key(runs)
+    if key.nunique() <= 1:
+        return runs, ""
+    chosen = _one_configuration(runs)
+    cols = [c for c in CONFIG_COLUMNS if c in runs and runs[c].map(_text).nunique() > 1]
+    first = chosen.iloc[0]
+    named = ", ".join(f"{c} = {_text(first[c])}" for c in cols)
+    return chosen, (f"restricted to the configuration with the most runs ({named}; "
+                    f"{key.nunique()} configurations present, {len(runs) - len(chosen)} runs left out)")
+
+
 def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     sel = fin[fin["section"] == "ablation"]
     if len(sel):
-        return sel, ""
+        chosen, restriction = _restricted(sel)
+        return chosen, f"The ablation runs are {restriction}." if restriction else ""
     # Optuna trials are a search over hyper-parameters, not replicates of one configuration.
     other = fin[(fin["section"] == "other") & (fin["role"] != "trial")]
     if other.empty:
         return other, ""
-    key = _config_key(other)
-    top = key.value_counts().sort_index().idxmax() if key.nunique() > 1 else key.iloc[0]
-    chosen = other[key == top]
+    chosen, restriction = _restricted(other)
     note = ("No `ablation` sweep: this table compares the finished runs of other sweeps "
             f"({', '.join(sorted(chosen['sweep'].unique()))})")
-    if key.nunique() > 1:
-        note += (f", restricted to the model configuration with the most runs "
-                 f"(model/d_model/layers/tokens = {top}; {key.nunique()} configurations present)")
+    if restriction:
+        note += ", " + restriction
     return chosen, note + "."
 
 
@@ -146,8 +169,8 @@ def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path
     fin = runs[runs["status"] == "FINISHED"]
     abl_runs, abl_note = _ablation_runs(fin)
     # Figs. 5 and 8 compare variants at one depth: the ablation's runs when there are any, else
-    # the finished runs of the model configuration with the most runs (profiles of different
-    # depths must not be averaged or compared as replicates).
+    # the finished runs of the configuration with the most runs (profiles of different depths
+    # must not be averaged or compared as replicates).
     dyn_runs = abl_runs if len(abl_runs) else _one_configuration(fin)
 
     jobs = [

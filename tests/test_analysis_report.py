@@ -323,3 +323,37 @@ def test_dynamics_and_depth_sections_take_one_model_configuration():
     runs = pd.DataFrame({"model": ["m"] * 3, "d_model": [64.0] * 3, "layers": [2.0, 4.0, 4.0],
                          "tokens": [1e6] * 3, "run_id": ["a", "b", "c"]})
     assert _one_configuration(runs)["run_id"].tolist() == ["b", "c"]
+
+
+def test_runs_at_another_learning_rate_or_budget_are_not_pooled_as_seeds():
+    """An ad-hoc grid over optim.lr (one seed each), or a short trial of the ablation sweep beside
+    the full one, gave Table 4 n = 2 'seeds' per variant mixing two recipes, and a seed noise and
+    seed counts computed from the gap between them. Only one configuration is compared."""
+    import pandas as pd
+
+    from analysis.report import _ablation_runs
+
+    def runs(section, **varying):
+        n = len(next(iter(varying.values())))
+        base = {"model": ["default"] * n, "d_model": [64.0] * n, "layers": [4.0] * n,
+                "tokens": [20480.0] * n, "lr": [1e-3] * n, "seed": [0.0] * n,
+                "variant": ["baseline", "block"] * (n // 2), "sweep": [section] * n,
+                "section": ["other" if section == "default" else section] * n,
+                "role": ["job"] * n, "run_id": [f"r{i}" for i in range(n)]}
+        return pd.DataFrame({**base, **varying})
+
+    grid = runs("default", lr=[1e-3, 1e-3, 3e-2, 3e-2, 3e-2, 3e-2],
+                seed=[0.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    chosen, note = _ablation_runs(grid)
+    assert chosen["lr"].tolist() == [3e-2] * 4 and chosen.groupby("variant").size().tolist() == [2, 2]
+    assert "lr = 0.03" in note and "2 configurations present, 2 runs left out" in note, note
+
+    trial_and_full = runs("ablation", tokens=[30720.0] * 2 + [251904.0] * 4,
+                          seed=[0.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    chosen, note = _ablation_runs(trial_and_full)
+    assert chosen["tokens"].tolist() == [251904.0] * 4
+    assert note.startswith("The ablation runs are restricted") and "tokens = 251904" in note, note
+
+    one = runs("ablation", seed=[0.0, 0.0, 1.0, 1.0])
+    chosen, note = _ablation_runs(one)
+    assert len(chosen) == 4 and note == ""
