@@ -26,14 +26,25 @@ def _role(text: str) -> tuple[str, str]:
 
 
 def _source(p: argparse.ArgumentParser, snapshot: bool):
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tracking-uri", help="MLflow tracking URI, e.g. sqlite:///mlflow.db")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--tracking-uri", help="MLflow tracking URI, e.g. sqlite:///mlflow.db (default: "
+                                            "$MLFLOW_TRACKING_URI, else <project root>/mlflow.db, "
+                                            "where run.py writes)")
     if snapshot:
         src.add_argument("--snapshot", help="run CSV written by `export` (instead of MLflow)")
     p.add_argument("--experiment", action="append", default=[], metavar="NAME",
                    help="MLflow experiment (= sweep name); repeat for several; default: all")
     p.add_argument("--filter", default="", metavar="MLFLOW_FILTER",
                    help="MLflow filter string, e.g. \"tags.attnres.variant = 'block'\"")
+
+
+def _default_tracking_uri() -> str:
+    """The store run.py writes to, as the README's environment table promises for analysis too:
+    $MLFLOW_TRACKING_URI, else <project root>/mlflow.db. harness.resolvers.default_tracking_uri
+    holds the rule, but analysis imports no harness code (it runs where only a snapshot exists),
+    so this is its copy; tests/test_analysis_report.py checks that the two agree."""
+    return (os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{Path(__file__).resolve().parents[1] / 'mlflow.db'}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -44,13 +55,15 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="tables, figures and REPORT.md from runs")
     _source(rep, snapshot=True)
-    rep.add_argument("--out", required=True, help="output folder (e.g. results/)")
+    rep.add_argument("--out", required=True, help="output folder (e.g. report/; results/ is the "
+                                                  "committed study)")
     rep.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
     rep.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     rep.add_argument("--multiplier-at", type=float, default=None, metavar="PFLOPS_DAYS",
                      help="compute at which the multiplier is read (default: largest scaling run)")
     rep.add_argument("--role", type=_role, action="append", default=[], metavar="SWEEP=SECTION",
-                     help="assign a sweep to a section (ablation, block_size, scaling, arch)")
+                     help="assign a sweep to a section (ablation, block_size, scaling, arch, "
+                          "multihop, tuned_lr)")
     rep.add_argument("--paper-dir", default=None, help="folder of the paper's CSVs "
                      "(default: results/paper of this repository)")
     exp = sub.add_parser("export", help="snapshot runs into a CSV (+ history and instrumentation)")
@@ -91,7 +104,14 @@ def main(argv=None) -> int:
                                          "not to --snapshot")
             runset = import_snapshot(args.snapshot)
         else:
-            runset = load_runset(args.tracking_uri, args.experiment, args.filter)
+            try:
+                runset = load_runset(args.tracking_uri or _default_tracking_uri(), args.experiment,
+                                     args.filter)
+            except AnalysisInputError as exc:
+                if args.tracking_uri is not None:
+                    raise
+                raise AnalysisInputError(f"{exc} (the default store; allowed: --tracking-uri URI, "
+                                         "$MLFLOW_TRACKING_URI or --snapshot CSV)") from None
         if args.command == "export":
             paths = export_snapshot(runset, args.out)
             print(f"wrote {len(runset.runs)} runs to {', '.join(map(str, paths))}")

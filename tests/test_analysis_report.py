@@ -357,3 +357,25 @@ def test_runs_at_another_learning_rate_or_budget_are_not_pooled_as_seeds():
     one = runs("ablation", seed=[0.0, 0.0, 1.0, 1.0])
     chosen, note = _ablation_runs(one)
     assert len(chosen) == 4 and note == ""
+
+
+def test_without_a_source_option_the_store_run_py_writes_to_is_read(tiny_db, tmp_path, capsys,
+                                                                    monkeypatch):
+    """README's environment table: MLFLOW_TRACKING_URI (else <project root>/mlflow.db) is the
+    store of run.py, evaluation *and analysis* when no option names one. Analysis required
+    --tracking-uri or --snapshot (argparse's usage, exit 2) and ignored the variable."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tiny_db["uri"])
+    assert main(["export", "--out", str(tmp_path / "runs.csv")]) == 0
+    assert capsys.readouterr().out.startswith("wrote 46 runs to ")  # the fixture's training runs
+    missing = tmp_path / "nope.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{missing}")
+    assert main(["report", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: tracking database not found: {missing} (the default store; allowed: "
+                   "--tracking-uri URI, $MLFLOW_TRACKING_URI or --snapshot CSV)"], err
+    assert not missing.exists() and not (tmp_path / "r" / "REPORT.md").exists()
+    from analysis.__main__ import _default_tracking_uri
+    from harness.resolvers import default_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert _default_tracking_uri() == default_tracking_uri()  # analysis's copy of run.py's rule
