@@ -90,7 +90,9 @@ def load(
     model.safetensors, or a `model/` subfolder that does), an existing file (`.safetensors`,
     `config.json`, or a torch checkpoint), an MLflow run id (32 hex characters) or a
     `runs:/<run id>[/<artifact folder>]` URI, read from `tracking_uri`, else $MLFLOW_TRACKING_URI,
-    else MLflow's default. `device` None picks CUDA when available, else the CPU.
+    else the store run.py writes to (<project root>/mlflow.db, from any working folder); a SQLite
+    store that does not exist is a CheckpointError, not an empty database left behind. `device`
+    None picks CUDA when available, else the CPU.
     """
     source = str(path_or_mlflow_run_id)
     path = Path(source).expanduser()
@@ -188,13 +190,33 @@ def _read_torch_checkpoint(path: Path) -> tuple[dict, dict]:
     return state, obj["config"]
 
 
+def _default_store() -> Optional[str]:
+    """$MLFLOW_TRACKING_URI, else the store run.py writes to (<project root>/mlflow.db, wherever
+    Python started), as the evaluation commands read it: MLflow's own default is mlflow.db in the
+    working folder, where `attnres.load(run_id)` outside the project root found nothing. The rule
+    lives in harness.resolvers; the core installed without the harness keeps MLflow's default."""
+    try:
+        from harness.resolvers import default_tracking_uri
+    except ImportError:
+        return os.environ.get("MLFLOW_TRACKING_URI") or None
+    return default_tracking_uri()
+
+
 def _read_mlflow(run_id: str, folder: str, tracking_uri: Optional[str]) -> tuple[dict, dict]:
     try:
         import mlflow
         from mlflow.exceptions import MlflowException
     except ImportError:
         raise CheckpointError(f"{run_id}: looks like an MLflow run id, but mlflow is not installed") from None
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+    uri = tracking_uri or _default_store() or mlflow.get_tracking_uri()
+    database = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    if database and database != ":memory:" and not Path(database).expanduser().exists():
+        # MLflow would create an empty store here and then not find the run in it.
+        raise CheckpointError(
+            f"run {run_id}: no MLflow store at {uri} (no such file); allowed: tracking_uri= or "
+            "$MLFLOW_TRACKING_URI naming the store the run was logged to (run.py's default: "
+            "<project root>/mlflow.db)"
+        )
     with tempfile.TemporaryDirectory(prefix="attnres-load-") as tmp:
         try:
             local = mlflow.artifacts.download_artifacts(

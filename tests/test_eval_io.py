@@ -89,6 +89,35 @@ def test_mlflow_run_artifacts(tmp_path, monkeypatch):
         attnres.load("0123456789abcdef0123456789abcdef", tracking_uri=uri)
 
 
+def test_a_run_id_is_read_from_the_store_run_py_writes_to_from_any_folder(tmp_path, monkeypatch):
+    """README: `model, cfg = attnres.load(run_id)`. Outside the project root it read MLflow's own
+    default, mlflow.db in the working folder: 'Run ... not found', and an empty mlflow.db left
+    there. It reads <project root>/mlflow.db as the evaluation commands do, and a store that does
+    not exist is one line."""
+    mlflow = pytest.importorskip("mlflow")
+    import harness.resolvers
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setattr(harness.resolvers, "PROJECT_ROOT", project)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(elsewhere)
+    run_id = "0123456789abcdef0123456789abcdef"
+    with pytest.raises(CheckpointError) as e:
+        attnres.load(run_id)
+    assert str(e.value).startswith(f"run {run_id}: no MLflow store at sqlite:///{project}/mlflow.db (no such file)")
+    assert list(elsewhere.iterdir()) == [] and not (project / "mlflow.db").exists()
+
+    model = tiny("block")
+    attnres.save_pretrained(model, tmp_path / "ck")
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{project}/mlflow.db")
+    run = client.create_run(client.create_experiment("io", artifact_location=(tmp_path / "art").as_uri()))
+    client.log_artifacts(run.info.run_id, str(tmp_path / "ck"), "model")
+    loaded, _ = attnres.load(run.info.run_id, device="cpu")
+    assert same_logits(model, loaded) and list(elsewhere.iterdir()) == []
+
+
 def test_bad_checkpoints_fail_with_one_line(tmp_path):
     cases = []
     with pytest.raises(CheckpointError) as e:
