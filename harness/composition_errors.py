@@ -93,6 +93,13 @@ def is_composition_error(error: BaseException | None) -> bool:
 def describe(error: BaseException) -> str | None:
     """`<key>=<value>: <what is wrong>; allowed: <...>` for a composition error, else None."""
     if isinstance(error, OverrideParseException):
+        key, sep, value = str(error.override).partition("=")
+        if sep and value.startswith("~"):
+            # Hydra's grammar reads a leading ~ as its delete operator and refuses it in a value,
+            # and the shell leaves ~ alone after `data.path=` (not a variable name): a home path
+            # must come expanded or quoted.
+            return (f"{error.override}: ~ is not allowed unquoted in a value; allowed: "
+                    f"{key}=$HOME{value[1:]} (the shell expands it) or '{key}=\"{value}\"'")
         reason = _first_line(error.message)
         return f"{error.override}: not a valid override ({reason}); allowed: key=value, +key=value, " \
                f"++key=value, ~key, group=option ({GRAMMAR})"

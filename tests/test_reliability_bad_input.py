@@ -43,6 +43,10 @@ CASES = {
     "a misspelt key added with +": (["+model.layerz=3"], "model.layerz=3: model has no key 'layerz' (did you mean "
                                                          "'layers'?)"),
     "an override that does not parse": (["train.steps=["], "train.steps=[: not a valid override"),
+    # docs/DATA.md's own example was `data.path=~/books`: Hydra's grammar refuses ~ there.
+    "a home path with ~": (["data=text", "data.path=~/books"],
+                           "data.path=~/books: ~ is not allowed unquoted in a value; allowed: "
+                           "data.path=$HOME/books (the shell expands it) or 'data.path=\"~/books\"'"),
     "a comma list without -m": (["residual=baseline,block"], "residual=baseline,block: a sweep needs a multirun; "
                                                              "allowed: python run.py -m residual=baseline,block"),
     "a misspelt key, in a multirun": (["-m", "residual=baseline,block", "model.layerz=3"],
