@@ -133,6 +133,25 @@ def job_configs(config: DictConfig) -> list[tuple[list[str], DictConfig]]:
     return [(list(o), loader.load_sweep_config(config, list(o))) for o in batches[0]]
 
 
+def _search_range(config: DictConfig) -> str | None:
+    """The line for a search range (`interval(...)`, `tag(log, interval(...))`) under Hydra's basic
+    sweeper, which only runs grids: the README's sweeper example without its
+    `hydra/sweeper=attnres_optuna` is a likely slip, and Hydra's own words ("BasicSweeper does not
+    support sweep type : INTERVAL_SWEEP", exit 1) name neither the override nor the fix."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    try:
+        overrides = OverridesParser.create().parse_overrides(_sweep_arguments(config))
+    except Exception:  # not ours to report: Hydra's error stands
+        return None
+    for override in overrides:
+        if override.value_type == ValueType.INTERVAL_SWEEP:
+            return (f"{override.input_line}: a search range needs the Optuna sweeper; allowed: add "
+                    "hydra/sweeper=attnres_optuna (docs/SWEEPER.md), or a comma list for a grid")
+    return None
+
+
 def validate_jobs(config: DictConfig) -> int:
     """Validate every job (config and data); on the first bad one print one line and exit 2."""
     from harness.composition_errors import exit_if_composition_error
@@ -142,6 +161,10 @@ def validate_jobs(config: DictConfig) -> int:
         jobs = job_configs(config)
     except Exception as error:  # a sweep value Hydra cannot compose (residual=blok,block)
         exit_if_composition_error(error)
+        line = _search_range(config)
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            sys.exit(2)
         raise
     seen_data, seen_roots = set(), set()
     for i, (overrides, job_cfg) in enumerate(jobs):

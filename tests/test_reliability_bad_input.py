@@ -55,6 +55,10 @@ CASES = {
     "a multirun asked for its config": (["-m", "--cfg=job", "residual=baseline,block"],
                                         "-m/--multirun, --cfg, --info and --run are separate commands"),
     "a wrong type in a sweep": (["-m", "model.layers=4,abc"], "model.layers=abc: not an integer; allowed: an integer"),
+    # README's sweeper example without hydra/sweeper=attnres_optuna: Hydra's basic sweeper, exit 1.
+    "a search range without the Optuna sweeper": (["-m", "residual=baseline,block", "optim.lr=tag(log,interval(3e-4,3e-2))"],
+                                                  "optim.lr=tag(log,interval(3e-4,3e-2)): a search range needs the "
+                                                  "Optuna sweeper; allowed: add hydra/sweeper=attnres_optuna"),
     "an unknown option in an Optuna sweep": (["-m", "hydra/sweeper=attnres_optuna", "residual=blok,block",
                                               "optim.lr=interval(1e-3,1e-2)", "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
                                              "residual=blok: no option 'blok' in group residual"),
