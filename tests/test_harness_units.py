@@ -295,6 +295,22 @@ def test_default_run_names_carry_the_overrides_that_change_the_run():
     assert run_label(c, []) == "block-default-s1"
 
 
+def test_the_tracking_group_is_outside_a_runs_identity_as_its_keys_are():
+    """`tracking=off` (HARNESS.md) named runs `baseline-default-s0 tracking=off`, and an Optuna
+    study continued with it was refused as if its trials computed something else; the run folder
+    (config hash) already ignored it."""
+    from types import SimpleNamespace
+
+    from harness.identity import changes_the_run
+    from harness.job import run_label
+
+    assert not changes_the_run("tracking=off") and not changes_the_run("tracking.uri=sqlite:///m.db")
+    assert changes_the_run("train=gpu") and changes_the_run("trackingx=1")
+    c = SimpleNamespace(residual=SimpleNamespace(name="baseline"), model=SimpleNamespace(name="default"),
+                        train=SimpleNamespace(seed=0))
+    assert run_label(c, ["tracking=off", "train.steps=3"]) == "baseline-default-s0 train.steps=3"
+
+
 def test_the_code_snapshot_holds_the_c_kernels():
     """Each run logs the source it ran (code/source.tar.gz): the CPU kernels are C, compiled at
     run time, so they are part of it."""
