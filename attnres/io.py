@@ -40,6 +40,7 @@ from .model import DecoderLM
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 MLFLOW_ARTIFACT_DIR = "model"  # where a run keeps the folder written by save_pretrained
+TRAINING_CHECKPOINT = "last.pt"  # harness.checkpoint.CHECKPOINT: what a run folder of run.py holds
 _METADATA_KEY = "attnres_config"
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -141,8 +142,12 @@ def _read_local(path: Path) -> tuple[dict, dict]:
         if not (path / CONFIG_NAME).exists() and (path / MLFLOW_ARTIFACT_DIR / CONFIG_NAME).exists():
             path = path / MLFLOW_ARTIFACT_DIR  # a run's artifact root or a training output folder
         weights = path / WEIGHTS_NAME
+        if not weights.exists() and (path / TRAINING_CHECKPOINT).is_file():
+            # a run folder of the harness (checkpoints/<sweep>/<run>/): its resumable checkpoint
+            return _read_torch_checkpoint(path / TRAINING_CHECKPOINT)
         if not weights.exists():
-            raise CheckpointError(f"{path}: no {WEIGHTS_NAME} in this folder (expected the output of save_pretrained)")
+            raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {TRAINING_CHECKPOINT} in this folder "
+                                  "(expected the output of save_pretrained, or a run folder of run.py)")
         return _read_safetensors(weights)
     if path.name == CONFIG_NAME:
         return _read_local(path.parent)

@@ -68,6 +68,14 @@ def test_torch_training_checkpoint_of_a_compiled_model(tmp_path):
         loaded, got = attnres.load(tmp_path / "last.pt", device="cpu")
     assert got["train"]["seq_len"] == 32
     assert same_logits(model, loaded)
+    # The run folder itself (checkpoints/<sweep>/<run>/, what `python -m evaluation <folder>`
+    # is given): it was "no model.safetensors in this folder".
+    with pytest.warns(UserWarning, match="lr"):
+        loaded, _ = attnres.load(tmp_path, device="cpu")
+    assert same_logits(model, loaded)
+    from harness.checkpoint import CHECKPOINT
+
+    assert attnres.io.TRAINING_CHECKPOINT == CHECKPOINT
 
 
 def test_mlflow_run_artifacts(tmp_path, monkeypatch):
@@ -124,7 +132,7 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path):
         attnres.load(tmp_path / "missing")
     cases.append(e)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no model.safetensors") as e:
+    with pytest.raises(CheckpointError, match="no model.safetensors or last.pt") as e:
         attnres.load(tmp_path / "empty")
     cases.append(e)
     attnres.save_pretrained(tiny("block"), tmp_path / "ck")
