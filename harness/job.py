@@ -159,8 +159,15 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
             replay_folder(c.tracking.uri, record["mlflow_run_id"], folder.path)
         value = record["final"]["final/val_loss"]
         if not folder.read_only:  # under torchrun rank 0 reports for all
+            # The run folder is keyed by what a run computes, not where it logs: a run finished
+            # into another store is not in this one, which the user would otherwise look for there.
+            where = record.get("tracking_uri")
+            elsewhere = (f" in {where}, not in tracking.uri={c.tracking.uri}"
+                         if c.tracking.enabled and where and where != c.tracking.uri else "")
+            again = ("train.resume=false (or another train.checkpoint_dir) trains it again into this "
+                     "store" if elsewhere else "train.resume=false trains it again")
             print(f"{folder.path.name}: already finished (val loss {value:.4f}, MLflow run "
-                  f"{record.get('mlflow_run_id')}); train.resume=false trains it again", file=sys.stderr)
+                  f"{record.get('mlflow_run_id')}{elsewhere}); {again}", file=sys.stderr)
         return value
     if record and record.get("status") == "failed" and not c.train.retry_failed:
         return _skip_failed(folder, record, multirun)

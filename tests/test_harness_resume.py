@@ -114,3 +114,26 @@ def test_data_edited_since_the_run_started_is_refused_not_resumed(tmp_path, caps
     assert len(errors) == 1 and "the data changed since this run started" in errors[0], stderr[-3000:]
     assert list((tmp_path / "ckpt").rglob("last.pt"))  # nothing lost
     _in_process([*args, "train.resume=false"], tmp_path)
+
+
+def test_a_finished_run_asked_for_in_another_store_says_where_it_is(resumed, tmp_path):
+    """The run folder is keyed by what a run computes, not where it logs: the same config with
+    another tracking.uri returns the recorded result, and the line said only "MLflow run <id>",
+    a run the user then looked for, and did not find, in the store they named."""
+    import os
+    import subprocess
+    import sys
+
+    from harness_testing import ROOT
+
+    tmp, finished = resumed
+    other = tmp_path / "other.db"
+    args = [*ARGS, *(o for o in isolated(tmp) if not o.startswith("tracking.uri=")), f"tracking.uri=sqlite:///{other}"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    again = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (line,) = [l for l in again.stderr.splitlines() if "already finished" in l]
+    assert (f" in sqlite:///{tmp}/mlflow.db, not in tracking.uri=sqlite:///{other}); train.resume=false (or "
+            "another train.checkpoint_dir) trains it again into this store") in line, line
+    assert _final(again) == pytest.approx(finished, abs=1e-4)
