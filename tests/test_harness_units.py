@@ -365,3 +365,21 @@ def test_untracked_files_leave_out_run_folders_in_the_tree(tmp_path, monkeypatch
     monkeypatch.setattr(provenance, "PROJECT_ROOT", tmp_path)
     monkeypatch.setattr(provenance, "_git", lambda *args: listing)
     assert provenance._untracked() == ("notes.py",)
+
+
+def test_the_sqlite_side_files_of_the_default_stores_are_not_untracked_code():
+    """The Optuna sweeper's default storage is optuna.db in the project root; while a sweep ran,
+    its optuna.db-wal and optuna.db-shm were untracked files: in `git status` and in every
+    trial's code/untracked.txt (only mlflow.db-* was ignored)."""
+    import subprocess
+
+    from harness.resolvers import PROJECT_ROOT
+
+    names = ["mlflow.db-wal", "optuna.db-wal", "optuna.db-shm", "optuna.db-journal"]
+    try:
+        result = subprocess.run(["git", "check-ignore", *names], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    except OSError:
+        pytest.skip("git is not installed")
+    if result.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert result.stdout.split() == names
