@@ -244,10 +244,25 @@ def to_objects(cfg: DictConfig) -> RunConfig:
     try:
         obj = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, ValueError, TypeError) as error:
-        _fail(_one_line(error))
+        _fail(_named_by_the_user(cfg, _one_line(error)))
     if not isinstance(obj, RunConfig):  # composed without run_schema (a hand-made config)
         _fail(f"the config is not a RunConfig (got {type(obj).__name__}); compose conf/config.yaml")
     return obj
+
+
+def _named_by_the_user(cfg: DictConfig, message: str) -> str:
+    """A schema's check names its own key; when that key's value is an interpolation, also name
+    the key it comes from: `train.seq_len=0` was reported as "model.max_seq_len must be a
+    positive integer" (model.max_seq_len is ${train.seq_len}), a key the user never typed."""
+    head = message.split(" ", 1)[0].split("=", 1)[0]
+    section, _, key = head.partition(".")
+    node = cfg.get(section) if section in cfg else None
+    if not key or not isinstance(node, DictConfig) or key not in node:
+        return message
+    raw = OmegaConf.to_container(node, resolve=False).get(key)
+    if isinstance(raw, str) and raw.startswith("${") and raw.endswith("}") and ":" not in raw:
+        return f"{message} ({head} is {raw}: it comes from {raw[2:-1]})"
+    return message
 
 
 def _reject_added_keys(node: DictConfig, path: str = "") -> None:

@@ -56,6 +56,8 @@ def test_overrides_reach_the_typed_objects():
     (["train.device=tpu"], "train.device='tpu'"),
     (["model.n_heads=3"], "model.n_heads=3 must divide model.d_model"),
     (["train.seq_len=64", "model.max_seq_len=32"], "train.seq_len=64 exceeds model.max_seq_len=32"),
+    # model.max_seq_len is ${train.seq_len}: the line names the key the user set too
+    (["train.seq_len=0"], r"model.max_seq_len must be a positive integer, got 0 \(.*it comes from train.seq_len\)"),
 ])
 def test_bad_values_are_one_config_error_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as error:
