@@ -10,7 +10,7 @@ known sweep (ad-hoc runs, ``python run.py -m residual=...``) still get an ablati
 when there is no ablation sweep. Runs compared as seeds must share the model and the training
 recipe (``CONFIG_COLUMNS``: shape, tokens, learning rate, batch, context, data): where the ablation
 runs hold several such configurations, the one with the most runs is taken and the report says
-so, so the comparison stays like for like.
+so, so the comparison stays like for like; likewise each variant's own settings (``RESIDUAL_COLUMNS``).
 
 Only FINISHED runs enter the statistics; every other run is listed in the report with its status
 and failure reason, never dropped silently. A section whose data is missing says so; a section
@@ -101,21 +101,46 @@ def _restricted(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
                     f"{key.nunique()} configurations present, {len(runs) - len(chosen)} runs left out)")
 
 
+# A variant's own settings: two block runs at S = 2 and S = 4 are two variants, not two seeds.
+RESIDUAL_COLUMNS = ("block_size", "num_blocks", "window", "residual_heads")
+
+
+def _one_setting_per_variant(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """(each variant's runs at its setting (RESIDUAL_COLUMNS) with the most runs, a note naming
+    the variants that had several; "" when none had)."""
+    cols = [c for c in RESIDUAL_COLUMNS if c in runs]
+    if runs.empty or not cols:
+        return runs, ""
+    key = runs[cols].apply(lambda c: c.map(_text)).agg("/".join, axis=1)
+    keep, notes = pd.Series(False, index=runs.index), []
+    for variant, k in key.groupby(runs["variant"]):
+        top = k.value_counts().sort_index().idxmax()
+        keep[k.index] = k == top
+        if k.nunique() > 1:
+            first = runs.loc[k[k == top].index[0]]
+            varied = [c for c in cols if runs.loc[k.index, c].map(_text).nunique() > 1]
+            n = int((k != top).sum())
+            notes.append(f"{variant} at {', '.join(f'{c} = {_text(first[c])}' for c in varied)} "
+                         f"({n} run{'s' if n > 1 else ''} at other settings left out)")
+    return runs[keep], "; ".join(notes)
+
+
 def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     sel = fin[fin["section"] == "ablation"]
-    if len(sel):
-        chosen, restriction = _restricted(sel)
-        return chosen, f"The ablation runs are {restriction}." if restriction else ""
     # Optuna trials are a search over hyper-parameters, not replicates of one configuration.
-    other = fin[(fin["section"] == "other") & (fin["role"] != "trial")]
-    if other.empty:
-        return other, ""
-    chosen, restriction = _restricted(other)
+    runs = sel if len(sel) else fin[(fin["section"] == "other") & (fin["role"] != "trial")]
+    if runs.empty:
+        return runs, ""
+    chosen, restriction = _restricted(runs)
+    chosen, settings = _one_setting_per_variant(chosen)
+    settings = f"runs compared as seeds share their variant's settings: {settings}" if settings else ""
+    if len(sel):
+        notes = [f"The ablation runs are {restriction}." if restriction else "",
+                 f"{settings[0].upper()}{settings[1:]}." if settings else ""]
+        return chosen, " ".join(n for n in notes if n)
     note = ("No `ablation` sweep: this table compares the finished runs of other sweeps "
             f"({', '.join(sorted(chosen['sweep'].unique()))})")
-    if restriction:
-        note += ", " + restriction
-    return chosen, note + "."
+    return chosen, "; ".join(n for n in (note + (", " + restriction if restriction else ""), settings) if n) + "."
 
 
 def _inputs(runset: RunSet, roles: pd.Series, opts: Options) -> str:

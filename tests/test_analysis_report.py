@@ -358,6 +358,14 @@ def test_runs_at_another_learning_rate_or_budget_are_not_pooled_as_seeds():
     chosen, note = _ablation_runs(one)
     assert len(chosen) == 4 and note == ""
 
+    # Two block runs at S = 2 and S = 4 with one seed are two variants, not two seeds of one.
+    sizes = runs("ablation", seed=[0.0, 0.0, 1.0, 1.0, 0.0, 0.0],
+                 block_size=[float("nan"), 2.0, float("nan"), 2.0, float("nan"), 4.0])
+    chosen, note = _ablation_runs(sizes)
+    assert chosen["run_id"].tolist() == ["r0", "r1", "r2", "r3", "r4"], note
+    assert note == ("Runs compared as seeds share their variant's settings: block at block_size = 2 "
+                    "(1 run at other settings left out)."), note
+
 
 def test_without_a_source_option_the_store_run_py_writes_to_is_read(tiny_db, tmp_path, capsys,
                                                                     monkeypatch):
