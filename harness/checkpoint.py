@@ -49,6 +49,10 @@ class RunBusy(TrialNotRun):
     """Another live process holds this run's folder (a sweep voids such a trial: harness.pruning)."""
 
 
+class CheckpointUnreadable(ValueError):
+    """last.pt exists but is no checkpoint (truncated, overwritten, bit rot): one line, exit 2."""
+
+
 def run_key(plain: dict[str, Any]) -> str:
     """A short, stable hash of the config's identity keys."""
     identity = {k: v for k, v in flatten(plain).items() if not k.startswith(NOT_IDENTITY)}
@@ -177,4 +181,18 @@ class RunFolder:
             return None
         # weights_only: tensors, numbers, strings and containers only (the RNG states are stored as
         # such), so loading a checkpoint never runs pickled code.
-        return torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as error:  # torch says "corrupted" in a RuntimeError, UnpicklingError, EOFError...
+            reason = f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
+            state = None
+        else:
+            reason = None if isinstance(state, dict) and "step" in state else "not a training checkpoint"
+        if reason is not None:
+            # Our writes are atomic, so this is damage from outside (a copy cut short, a disk
+            # error); resuming from it is impossible and starting over silently would discard
+            # the run's history. The file is left for the user to restore or remove.
+            raise CheckpointUnreadable(
+                f"train.resume=true: {path} cannot be read ({reason}); it is left as it is; allowed: a "
+                "readable checkpoint there (restore it), or train.resume=false to train this config from step 0")
+        return state

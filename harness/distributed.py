@@ -104,15 +104,25 @@ def from_main(value: Any) -> Any:
 
 def load_everywhere(folder) -> dict[str, Any] | None:
     """The run folder's checkpoint, read by every rank from disk, with a check that all ranks
-    resume from the same step (on several nodes, train.checkpoint_dir must be shared)."""
-    state = folder.load()
+    resume from the same step (on several nodes, train.checkpoint_dir must be shared). A
+    checkpoint that one rank cannot read stops every rank with that rank's line."""
+    from harness.checkpoint import CheckpointUnreadable
+
+    try:
+        state, unreadable = folder.load(), None
+    except CheckpointUnreadable as error:  # the others must learn it, or they wait in a collective
+        state, unreadable = None, str(error)
     if dist.is_initialized():
-        steps = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, None if state is None else state["step"])
-        if len(set(steps)) > 1:
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, (unreadable, None if state is None else state["step"]))
+        unreadable = next((u for u, _ in seen if u), None)
+        steps = [step for _, step in seen]
+        if not unreadable and len(set(steps)) > 1:
             raise ResumeMismatch(
                 f"{folder.path}: the ranks see different checkpoints (steps by rank: {steps}); on several "
                 "nodes train.checkpoint_dir must be one shared folder")
+    if unreadable:
+        raise CheckpointUnreadable(unreadable)
     return state
 
 

@@ -39,7 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import distributed, instrument, malloc, provenance
-from harness.checkpoint import RunBusy, RunFolder, run_folder, run_key
+from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
 from harness.identity import changes_the_run, override_key
@@ -172,7 +172,10 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
     if record and record.get("status") == "failed" and not c.train.retry_failed:
         return _skip_failed(folder, record, multirun)
 
-    state = distributed.load_everywhere(folder) if folder is not None else None  # every rank loads it
+    try:
+        state = distributed.load_everywhere(folder) if folder is not None else None  # every rank loads it
+    except CheckpointUnreadable as error:  # before any MLflow run is opened: nothing to end
+        return _bad_input(error, multirun, output_dir)
     label = c.tracking.run_name or run_label(c, overrides)
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
     if folder is not None:

@@ -93,6 +93,26 @@ def test_a_second_process_cannot_take_a_busy_run_folder(tmp_path):
     first.release()
 
 
+@pytest.mark.parametrize("damage", [b"", b"PK\x03\x04 cut short"], ids=["empty", "cut_short"])
+def test_an_unreadable_checkpoint_stops_the_run_in_one_line_and_is_kept(tmp_path, capsys, damage):
+    """A last.pt damaged from outside (a copy cut short, a disk error): not a traceback, not a
+    silent fresh start, but one line naming the file and the way out, exit 2, before any MLflow
+    run, the file left as it was."""
+    from harness.config import to_plain
+
+    cfg = compose(_overrides(tmp_path))
+    folder = checkpoint.run_folder(to_plain(validate(cfg).cfg))
+    folder.mkdir(parents=True)
+    (folder / checkpoint.CHECKPOINT).write_bytes(damage)
+    with pytest.raises(SystemExit) as stopped:
+        job.run(cfg)
+    assert stopped.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: train.resume=true: ") and "train.resume=false" in lines[0]
+    assert str(folder / checkpoint.CHECKPOINT) in lines[0]
+    assert (folder / checkpoint.CHECKPOINT).read_bytes() == damage and runs(tmp_path) == []
+
+
 def test_the_run_key_ignores_where_a_run_logs_but_not_what_it_computes(tmp_path):
     from harness.config import to_plain
 
