@@ -351,7 +351,10 @@ def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, sta
         tags["attnres.hydra_output_dir"] = output_dir
     if trial is not None:
         tags["optuna.trial_number"] = getattr(trial, "number", "")
-    resume_id = (record or {}).get("mlflow_run_id")
+    # run.json names the run (it exists before step 1); the checkpoint names it too, so a record
+    # lost or damaged since does not split one training run over two MLflow runs, the first left
+    # RUNNING and the second missing the steps before the checkpoint.
+    resume_id = (record or {}).get("mlflow_run_id") or (state or {}).get("mlflow_run_id")
     tracker = MlflowTracker.start(
         c.tracking.uri, c.tracking.experiment or c.sweep.name, label,
         {k: str(v) for k, v in tags.items()}, parent_run_id=parent, resume_run_id=resume_id,

@@ -113,6 +113,21 @@ def test_an_unreadable_checkpoint_stops_the_run_in_one_line_and_is_kept(tmp_path
     assert (folder / checkpoint.CHECKPOINT).read_bytes() == damage and runs(tmp_path) == []
 
 
+def test_a_lost_run_record_resumes_into_the_checkpoints_mlflow_run(tmp_path):
+    """run.json gone or damaged, last.pt intact: the checkpoint names the MLflow run too, so the
+    rerun continues that run (one run, every step once) instead of opening a second one."""
+    overrides = _overrides(tmp_path, "tracking.log_code=false", "tracking.log_env=false",
+                           "tracking.log_model=false", "tracking.log_plots=false")
+    job.run(compose(overrides))
+    (record,) = (tmp_path / "ckpt").rglob(checkpoint.RECORD)
+    record.write_text("{not json")  # what a disk error leaves; the checkpoint is at the last step
+    job.run(compose(overrides))
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.tags["attnres.resumed_at_step"] == "6"
+    steps = [m.step for m in client(tmp_path).get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
 def test_the_run_key_ignores_where_a_run_logs_but_not_what_it_computes(tmp_path):
     from harness.config import to_plain
 
