@@ -141,6 +141,11 @@ class RunFolder:
                 f"{self.path}: another process is running this exact config; wait for it or kill it"
             ) from None
         self._lock_handle = handle
+        # A writer killed mid-write (kill -9, the OOM killer) leaves its temp file (atomic_write's
+        # cleanup never ran): a whole checkpoint's size per kill, never read. Holding the lock, we
+        # are the folder's only writer, so every temp file here is such a leftover.
+        for stale in self.path.glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
         if fresh:
             for child in self.path.iterdir():
                 if child.name != ".lock":

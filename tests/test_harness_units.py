@@ -81,6 +81,18 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path):
     folder.release()
 
 
+def test_taking_a_run_folder_removes_the_temp_files_of_a_writer_killed_mid_write(tmp_path):
+    folder = checkpoint.RunFolder(tmp_path / "run").acquire(fresh=False)
+    folder.save({"step": 1})
+    folder.release()
+    (tmp_path / "run" / ".last.pt.4242.tmp").write_bytes(b"half a checkpoint")  # kill -9 mid-write
+    (tmp_path / "run" / ".run.json.4242.tmp").write_text("{")
+    folder = checkpoint.RunFolder(tmp_path / "run").acquire(fresh=False)
+    assert sorted(p.name for p in folder.path.iterdir()) == [".lock", "last.pt"]
+    assert folder.load()["step"] == 1
+    folder.release()
+
+
 def test_a_second_process_cannot_take_a_busy_run_folder(tmp_path):
     first = checkpoint.RunFolder(tmp_path / "run").acquire(fresh=False)
     import subprocess
