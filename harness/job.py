@@ -227,9 +227,12 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
                   "resumes from it)", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         raise
+    # The MLflow run ends (its final metrics flushed) before the record says finished: a process
+    # killed in between then resumes at its last step and ends the run, where the other order
+    # answered "already finished" forever with the run RUNNING and no final/* metrics in MLflow.
+    tracker.end("FINISHED")
     if folder is not None:
         folder.write_record(status="finished", final=final)
-    tracker.end("FINISHED")
     if folder is None or not folder.read_only:  # under torchrun rank 0 reports for all
         print(f"{label}: val loss {final['final/val_loss']:.4f} after {final['final/tokens']:,} tokens "
               f"({final['final/train_seconds']:.1f} s)" + (f", MLflow run {tracker.run_id}" if tracker.enabled else ""),

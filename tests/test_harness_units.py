@@ -140,6 +140,36 @@ def test_a_lost_run_record_resumes_into_the_checkpoints_mlflow_run(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_run_killed_while_ending_its_mlflow_run_is_ended_by_the_rerun(tmp_path, monkeypatch):
+    """The process dies (SIGTERM after training, kill -9) as it ends a finished run's MLflow run:
+    the rerun must not answer "already finished" with the MLflow run left RUNNING and its final
+    metrics never sent, but end it, with them."""
+    import mlflow
+
+    from harness.tracking import MlflowTracker
+
+    class Killed(BaseException):
+        pass
+
+    real_end = MlflowTracker.end
+
+    def killed_on_finish(self, status, tags=None):
+        if status == "FINISHED":
+            raise Killed
+        return real_end(self, status, tags)
+
+    overrides = _overrides(tmp_path, "tracking.log_code=false", "tracking.log_env=false",
+                           "tracking.log_model=false", "tracking.log_plots=false")
+    monkeypatch.setattr(MlflowTracker, "end", killed_on_finish)
+    with pytest.raises(Killed):
+        job.run(compose(overrides))
+    monkeypatch.setattr(MlflowTracker, "end", real_end)
+    mlflow.tracking.fluent._active_run_stack.get().clear()  # the dead process's active run went with it
+    job.run(compose(overrides))
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FINISHED" and "final/val_loss" in run.data.metrics
+
+
 def test_the_run_key_ignores_where_a_run_logs_but_not_what_it_computes(tmp_path):
     from harness.config import to_plain
 
