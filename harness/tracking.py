@@ -104,10 +104,14 @@ def _not_sqlite(db: Path) -> bool:
 def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tracking.uri=") -> None:
     """For an http(s) URI, GET <uri>/health within `timeout` seconds, else TrackingUnreachable
     (its line names the URI as `option` gave it: run.py's tracking.uri= or a command's flag).
-    Other stores (sqlite, postgresql, file) are opened by the client itself, which fails fast."""
+    A database URI (postgresql, mysql, mssql) is checked by `check_database`; sqlite and file
+    stores are opened by the client itself, which fails fast."""
     import urllib.error
     import urllib.request
 
+    if uri.split(":", 1)[0].split("+", 1)[0] in DATABASE_PORTS:
+        check_database(uri, timeout, option)
+        return
     if not uri.startswith(("http://", "https://")):
         return
     try:
@@ -122,6 +126,57 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tra
             f"{option}{uri}: no MLflow server answers there within {timeout:.0f} s ({reason}); "
             f"allowed: a running server's URI, a sqlite:/// path{allowed}"
         ) from None
+
+
+DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}  # database stores: default ports
+
+
+def _hide_password(uri: str) -> str:
+    """The URI as a message may show it: `scheme://user:***@host/...` (logs outlive a password)."""
+    return re.sub(r"(://[^/:@]*:)[^@/]*@", r"\1***@", uri)
+
+
+def check_database(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tracking.uri=") -> None:
+    """A database URI used as the tracking store directly: its driver installed, its host
+    answering within `timeout`, one connection accepted; else TrackingUnreachable (one line, the
+    password hidden). MLflow's own store retries a failed connection ten times with backoff
+    (~100 s) and then ends in a traceback, after the run's folder was made."""
+    import socket
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+    from sqlalchemy.pool import NullPool
+
+    shown = _hide_password(uri)
+    allowed = "allowed: a running database's URI with an installed driver (e.g. postgresql+psycopg2://…), " \
+              "an http(s):// server, a sqlite:/// path" + (" or tracking=off" if option == "tracking.uri=" else "")
+    try:
+        url = make_url(uri)
+        url.get_dialect().import_dbapi()
+    except (ArgumentError, ImportError) as error:  # an unknown driver name, or one not installed
+        raise TrackingUnreachable(f"{option}{shown}: no database driver for it here "
+                                  f"({' '.join(str(error).split())}); {allowed}") from None
+    if url.host:  # (none: a local socket named in the query, nothing to probe over TCP)
+        port = url.port or DATABASE_PORTS[url.get_backend_name()]
+        try:
+            socket.create_connection((url.host, port), timeout=timeout).close()
+        except OSError as error:
+            raise TrackingUnreachable(f"{option}{shown}: no database answers at {url.host}:{port} within "
+                                      f"{timeout:.0f} s ({error}); {allowed}") from None
+    # The host answers; one real connection tells a wrong user, password or database name in
+    # seconds (postgresql and mysql drivers take connect_timeout; others keep their default).
+    bounded = {"connect_timeout": max(1, int(timeout))} if url.get_backend_name() in ("postgresql", "mysql") else {}
+    engine = create_engine(url, poolclass=NullPool, connect_args=bounded)
+    try:
+        with engine.connect():
+            pass
+    except Exception as error:  # the driver's OperationalError, whatever the driver
+        reason = " ".join(str(getattr(error, "orig", None) or error).split())[:300]
+        raise TrackingUnreachable(f"{option}{shown}: the database refused the connection ({reason}); "
+                                  f"{allowed}") from None
+    finally:
+        engine.dispose()
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,6 +43,23 @@ def test_an_unreachable_server_at_start_stops_the_run_within_15_s_before_trainin
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "out").exists()  # nothing trained
 
 
+@pytest.mark.parametrize("scheme", ["postgresql+psycopg2", "mysql+nosuchdriver"])
+def test_a_database_store_that_cannot_be_used_is_one_line_within_seconds(scheme):
+    """tracking.uri naming a database directly: MLflow's store would retry for ~100 s and end in a
+    traceback. Nothing listens on the port (or the driver is unknown): one line, the password not
+    in it (the same check runs for run.py, a multirun's callback and the evaluation commands)."""
+    from harness.tracking import TrackingUnreachable, check_tracking_uri
+
+    uri = f"{scheme}://attnres:s3cret@127.0.0.1:{_free_port()}/runs"
+    started = time.monotonic()
+    with pytest.raises(TrackingUnreachable) as refused:
+        check_tracking_uri(uri)
+    assert time.monotonic() - started < 15
+    line = str(refused.value)
+    assert line.startswith(f"tracking.uri={scheme}://attnres:***@127.0.0.1:") and "allowed:" in line
+    assert "\n" not in line and "s3cret" not in line
+
+
 class _Server:
     """`mlflow server` on a loopback port, its store and artifacts in `root`."""
 
