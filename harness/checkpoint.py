@@ -116,6 +116,18 @@ def atomic_write(path: Path, write) -> None:
     _fsync_dir(path.parent)
 
 
+def _torch_save(state: dict[str, Any], path: Path) -> None:
+    """torch.save, a failed write reported as the OSError it is. torch's C++ writer turns a full
+    disk, a quota or a file-size limit into RuntimeError("[enforce fail at inline_container.cc]
+    unexpected pos ..."), which the loop would take for a bug and die on (measured on a full
+    tmpfs), instead of keeping the previous checkpoint and training on."""
+    try:
+        torch.save(state, path)
+    except RuntimeError as error:
+        raise OSError(f"torch.save could not write {path.name}: {' '.join(str(error).split())} "
+                      "(a full disk, a quota or a file-size limit)") from error
+
+
 class RunFolder:
     def __init__(self, path: Path, read_only: bool = False):
         self.path = path
@@ -178,7 +190,7 @@ class RunFolder:
     def save(self, state: dict[str, Any]) -> None:
         if self.read_only:
             return
-        atomic_write(self.path / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+        atomic_write(self.path / CHECKPOINT, lambda tmp: _torch_save(state, tmp))
 
     def load(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
         path = self.path / CHECKPOINT

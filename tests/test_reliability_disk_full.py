@@ -41,3 +41,27 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_training_goes_on(tmp_path, mo
     folder = checkpoint.RunFolder(next((tmp_path / "ckpt").rglob("run.json")).parent)
     assert folder.load()["step"] == 2  # the previous checkpoint, intact and loadable
     assert not [p for p in folder.path.iterdir() if p.name.endswith(".tmp")]  # no half file left
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGXFSZ"), reason="no file-size limit on this system")
+def test_a_write_that_the_system_refuses_reaches_the_loop_as_an_oserror(tmp_path):
+    """Not a simulated exception: the system refuses the write (a file-size limit, as a full disk
+    does), and torch's own writer reports it as a RuntimeError. The loop keeps training only on
+    an OSError, so the run folder must turn it into one; the previous checkpoint stays."""
+    import resource
+    import signal
+
+    folder = checkpoint.RunFolder(tmp_path / "run").acquire(fresh=False)
+    folder.save({"step": 1})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write(), not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
+    try:
+        with pytest.raises(OSError, match="torch.save could not write"):
+            folder.save({"step": 2, "weights": torch.zeros(100_000)})  # 400 kB
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert folder.load()["step"] == 1
+    assert sorted(p.name for p in folder.path.iterdir()) == [".lock", "last.pt"]
+    folder.release()
