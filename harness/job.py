@@ -25,6 +25,7 @@ Order of work, and why:
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -54,6 +55,8 @@ PARENT_ENV = "ATTNRES_PARENT_RUN_ID"  # set by harness.callbacks for the jobs of
 # input), 124 (timeout(1)) and 137 (SIGKILL). A launcher or batch script requeues on it.
 REQUEUE_EXIT = 75
 INTERRUPT_EXIT = 130  # Ctrl-C (128 + SIGINT, the shell's convention), after the same checkpoint
+# A file system that refuses writes: full, over quota, read-only, failing, or a file-size limit.
+DISK_ERRNOS = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS", "EIO", "EFBIG") if hasattr(errno, n)}
 
 
 # Overrides a default run name leaves out: what it already says (variant, model preset, seed),
@@ -178,11 +181,11 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         return _bad_input(error, multirun, output_dir)
     label = c.tracking.run_name or run_label(c, overrides)
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
-    if folder is not None:
-        folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
-                            tracking_uri=c.tracking.uri if tracker.enabled else None,
-                            data_sha256=data.fingerprint.get("sha256"))
     try:
+        if folder is not None:  # inside the try: a full disk here ends the MLflow run FAILED, saying why
+            folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
+                                tracking_uri=c.tracking.uri if tracker.enabled else None,
+                                data_sha256=data.fingerprint.get("sha256"))
         trainer = Trainer(spec, data, tracker, folder, label=label)
         if state is not None:
             trainer.load_state_dict(state)
@@ -225,6 +228,15 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
             where = f"MLflow run {tracker.run_id} FAILED, " if tracker.enabled else ""
             print(f"{label}: diverged: {error}; {where}its last good checkpoint kept (train.retry_failed=true "
                   "resumes from it)", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        if isinstance(error, OSError) and error.errno in DISK_ERRNOS and not multirun and not _in_trial():
+            # The file system refused a write the run cannot go on without (its record): the
+            # machine's state, not a fault of the code; one line. (A checkpoint write that fails
+            # does not end the run: Trainer._checkpoint.)
+            where = f"MLflow run {tracker.run_id} FAILED; " if tracker.enabled else ""
+            place = f" (run folder {folder.path})" if folder is not None and not error.filename else ""
+            print(f"{label}: stopped: {error}{place}; {where}rerun the same command once the disk has room "
+                  "(it resumes from its last checkpoint)", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         raise
     # The MLflow run ends (its final metrics flushed) before the record says finished: a process
@@ -329,7 +341,10 @@ def _end_on_error(tracker, folder: RunFolder | None, error: BaseException) -> No
         tracker.end("FAILED", tags)
         status = "failed"
     if folder is not None:
-        folder.write_record(status=status, failure=f"{type(error).__name__}: {error}")
+        try:
+            folder.write_record(status=status, failure=f"{type(error).__name__}: {error}")
+        except OSError as write_error:  # a full disk: MLflow has the outcome; the error that ended the run is the news
+            log.warning("%s: run.json not updated (%s)", folder.path, write_error)
 
 
 def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, state, multirun: bool,

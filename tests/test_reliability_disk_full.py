@@ -65,3 +65,22 @@ def test_a_write_that_the_system_refuses_reaches_the_loop_as_an_oserror(tmp_path
     assert folder.load()["step"] == 1
     assert sorted(p.name for p in folder.path.iterdir()) == [".lock", "last.pt"]
     folder.release()
+
+
+def test_a_disk_too_full_for_the_run_record_stops_in_one_line_with_the_run_failed(tmp_path, monkeypatch, capsys):
+    """A disk full before the first step (the run's record cannot be written): one line, exit 1,
+    the MLflow run FAILED with the reason (it was left to MLflow's exit hook, which ends it
+    FINISHED with no metrics: a finished run that never trained)."""
+    def no_room(self, **fields):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path / checkpoint.RECORD))
+
+    monkeypatch.setattr(checkpoint.RunFolder, "write_record", no_room)
+    overrides = [*TINY, *(o for o in isolated(tmp_path) if not o.startswith("hydra.")),
+                 "tracking.log_code=false", "tracking.log_env=false"]
+    with pytest.raises(SystemExit) as stopped:
+        job.run(compose(overrides))
+    assert stopped.value.code == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and " INFO " not in line]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "FAILED" in lines[0], lines
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["attnres.failure"]
