@@ -93,6 +93,17 @@ def _drop_frames(error: BaseException) -> None:
         stack += [e.__context__, e.__cause__]
 
 
+def lost_process(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another process of the launch is gone
+    (killed by the OOM killer, its node lost): torch's DistError (NCCL, the store), or gloo's
+    plain RuntimeError, which names its source ("[.../gloo/transport/tcp/pair.cc:553] Connection
+    closed by peer"). Such a run did not fail: it was interrupted, and resumes from its last
+    checkpoint like a run killed whole."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and "/gloo/" in str(error).replace("\\", "/")
+
+
 def from_main(value: Any) -> Any:
     """Rank 0's `value` on every rank (picklable objects); the value itself with one process."""
     if not dist.is_initialized():

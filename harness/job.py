@@ -181,6 +181,7 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
         return _bad_input(error, multirun, output_dir)
     label = c.tracking.run_name or run_label(c, overrides)
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
+    trainer = None
     try:
         if folder is not None:  # inside the try: a full disk here ends the MLflow run FAILED, saying why
             folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
@@ -204,7 +205,18 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
             if tracker.enabled and explorer:
                 _log_explorer(tracker, model, spec, data)
     except BaseException as error:
-        _end_on_error(tracker, folder, error)
+        lost = spec.parallel is not None and distributed.lost_process(error)
+        _end_on_error(tracker, folder, error, interrupted=lost)
+        if lost:
+            # Another rank died (kill -9, OOM, a node lost) and took the collective with it: not
+            # this run's failure. KILLED and resumable, as when the whole launch is killed; exit
+            # 75 so that a requeueing script or launcher runs it again.
+            reason = " ".join(str(error).split())[:200]
+            where = f" at step {trainer.step}" if trainer is not None else ""
+            print(f"{label}: stopped{where}: a process of the launch was lost ({reason}); "
+                  f"the same command resumes from the last checkpoint; exit {REQUEUE_EXIT} = requeue me",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(REQUEUE_EXIT) from None
         # Stopped on request: the run is KILLED and resumable; one line, not a traceback, and every
         # rank says where it stopped (they agree: the stop is decided collectively).
         if isinstance(error, StopRequested) and _in_trial():
@@ -327,11 +339,13 @@ def _in_trial() -> bool:
     return pruning is not None and pruning.current_trial() is not None
 
 
-def _end_on_error(tracker, folder: RunFolder | None, error: BaseException) -> None:
+def _end_on_error(tracker, folder: RunFolder | None, error: BaseException, interrupted: bool = False) -> None:
+    """End the MLflow run and the record as `error` says. interrupted: resumable whatever the
+    error (a collective broken by a lost process)."""
     if pruning is not None and isinstance(error, pruning.TrialPruned):
         tracker.end("PRUNED", {"pruned": "true"})
         status = "pruned"
-    elif isinstance(error, (KeyboardInterrupt, StopRequested, SystemExit)):  # a launcher's exit: resumable
+    elif interrupted or isinstance(error, (KeyboardInterrupt, StopRequested, SystemExit)):  # a launcher's exit: resumable
         tracker.end("KILLED", {"attnres.failure": f"interrupted ({type(error).__name__}: {error})"})
         status = "interrupted"
     else:

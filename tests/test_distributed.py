@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -142,6 +143,87 @@ def test_a_rank_other_than_0_opens_no_mlflow_run_and_writes_no_file(monkeypatch,
     assert list((tmp_path / "run").iterdir()) == []
     with pytest.raises(RuntimeError, match="read-only"):
         folder.acquire(fresh=False)
+
+
+_GLOO_PEER_LOST = """
+import os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+from harness.distributed import lost_process
+def work(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 1:
+        os._exit(9)  # as kill -9 / the OOM killer: no goodbye to the peer
+    time.sleep(0.5)
+    try:
+        dist.all_reduce(t)
+    except Exception as error:
+        print("lost" if lost_process(error) else f"not recognised: {type(error).__name__}: {error}", flush=True)
+    os._exit(0)
+if __name__ == "__main__":
+    mp.spawn(work, args=(int(sys.argv[1]),), nprocs=2, join=False)
+    time.sleep(30)
+"""
+
+
+def test_a_collective_broken_by_a_killed_rank_is_recognised_as_a_lost_process(tmp_path):
+    """A real gloo failure (the peer killed mid-launch), not a made-up message: what rank 0 sees
+    must read as a lost process, which the job ends KILLED and resumable (next test)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "peer_lost.py"  # a file: spawned processes re-import the main module
+    script.write_text(_GLOO_PEER_LOST)
+    proc = subprocess.Popen([sys.executable, str(script), str(port)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    try:
+        line = proc.stdout.readline().strip()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert line == "lost", line
+
+
+def test_a_run_whose_peer_rank_died_is_interrupted_not_failed_and_resumes(tmp_path, monkeypatch, capsys):
+    """Under torchrun a rank killed (OOM, node loss) breaks rank 0's next collective. That is an
+    interruption, as kill -9 of the whole launch is: KILLED, run.json `interrupted`, exit 75, and
+    the same command resumes it; not FAILED, which a rerun would refuse to train again."""
+    import socket
+
+    from harness import job
+    from harness.train import Trainer
+    from harness_testing import isolated, process_state_kept
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    # the distributed code path on one process (WORLD_SIZE=1, train.distributed=ddp)
+    _with_env(monkeypatch, **dict(TWO_RANKS, WORLD_SIZE="1", MASTER_PORT=port))
+    overrides = [*ARGS, "train.distributed=ddp", *(o for o in isolated(tmp_path) if not o.startswith("hydra."))]
+    real_fit = Trainer.fit
+
+    def peer_lost(self):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:41887")
+
+    with process_state_kept():
+        monkeypatch.setattr(Trainer, "fit", peer_lost)
+        with pytest.raises(SystemExit) as stopped:
+            job.run(compose(overrides))
+        assert stopped.value.code == 75
+        assert "a process of the launch was lost" in capsys.readouterr().err
+        (run,) = runs(tmp_path)
+        assert run.info.status == "KILLED"
+        (record,) = (tmp_path / "ckpt").rglob("run.json")
+        assert json.loads(record.read_text())["status"] == "interrupted"
+        monkeypatch.setattr(Trainer, "fit", real_fit)
+        job.run(compose(overrides))  # the rerun trains it (a failed run would be refused)
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FINISHED"
 
 
 # -- end to end: torchrun ------------------------------------------------------------------------
