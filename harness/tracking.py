@@ -445,7 +445,7 @@ class MlflowTracker(NullTracker):
 
         path = self.pending_dir / PENDING_METRICS
         if path.exists():
-            waiting = [Metric(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+            waiting = _pending_metrics(path, Metric)
             sent = 0
             try:
                 while sent < len(waiting):
@@ -541,6 +541,24 @@ class MlflowTracker(NullTracker):
 
 def _metric_line(m) -> str:
     return json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}) + "\n"
+
+
+def _pending_metrics(path: Path, metric) -> list:
+    """The metrics of a pending file. A line cut short (the process killed, or the disk full,
+    in the middle of an append) is skipped with a warning: unreadable, it would stop every replay,
+    and with it the run's start on every rerun. What it held is not lost: appends happen at flushes,
+    which come before the checkpoint they precede, so its steps are recomputed on resume."""
+    waiting, torn = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            waiting.append(metric(**json.loads(line)))
+        except (ValueError, TypeError):
+            torn += 1
+    if torn:
+        log.warning("%s: %d line(s) cut short by an interrupted write skipped", path, torn)
+    return waiting
 
 
 def _clear_pending(folder: Path) -> None:

@@ -60,6 +60,21 @@ def test_a_database_store_that_cannot_be_used_is_one_line_within_seconds(scheme)
     assert "\n" not in line and "s3cret" not in line
 
 
+def test_a_pending_file_cut_short_by_a_kill_is_replayed_without_its_torn_line(tmp_path):
+    """kill -9 (or a full disk) in the middle of an append to metrics_pending.jsonl leaves half a
+    line. The replay sends the rest and drops that line, instead of raising on it at every start
+    of the run (the rerun crashed before training, every time)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("pending")).info.run_id
+    (tmp_path / PENDING_METRICS).write_text(
+        '{"key": "train/loss", "value": 2.5, "timestamp": 1, "step": 1}\n{"key": "train/loss", "valu')
+    MlflowTracker(client, run_id, 5.0, resumed=True, pending_dir=tmp_path)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == [(1, 2.5)]
+    assert not (tmp_path / PENDING_METRICS).exists()
+
+
 class _Server:
     """`mlflow server` on a loopback port, its store and artifacts in `root`."""
 
