@@ -370,6 +370,14 @@ def _parallel_mode(t: TrainConfig, o: OptimConfig, device: torch.device) -> tupl
     otherwise; train.distributed picks DDP or FSDP2, and with WORLD_SIZE=1 forces the distributed
     code path on one process (a one-GPU check of a multi-GPU setup)."""
     world = world_size()
+    step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1)
+    if step_tasks > 1 and "WORLD_SIZE" not in os.environ:
+        # srun started several copies of run.py and nothing made them one launch: each would
+        # train the same run alone (and all but one stop as "busy").
+        _fail(f"SLURM_STEP_NUM_TASKS={step_tasks}: srun started {step_tasks} copies of run.py, each of which would "
+              "train this run alone; run one task per node that starts torchrun (`srun --ntasks-per-node=1 "
+              "torchrun --nproc_per_node=G run.py ...`, docs/DISTRIBUTED.md) or use hydra/launcher=slurm with "
+              "tasks_per_node; allowed without torchrun: one task")
     mode = t.distributed if t.distributed is not None else (ParallelMode.ddp if world > 1 else None)
     if mode is None:
         return None, 1

@@ -65,6 +65,16 @@ def test_bad_values_are_one_config_error_line(overrides, message):
     assert "\n" not in str(error.value)
 
 
+def test_several_srun_tasks_without_torchrun_are_refused(monkeypatch):
+    """`srun -n 4 python run.py` (no torchrun): four copies that would each train the run alone."""
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=r"SLURM_STEP_NUM_TASKS=4: srun started 4 copies of run.py"):
+        validate(compose([]))
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # one task (a batch script's own step, srun -n 1)
+    assert validate(compose([])).parallel is None
+
+
 @pytest.mark.parametrize("name,jobs", [
     ("ablation", 39), ("ablation_gpu", 39), ("block_size", 14), ("block_size_gpu", 14), ("scaling", 24),
     ("scaling_gpu", 15), ("arch", 30), ("arch_gpu", 50), ("multihop", 8), ("tuned_lr", 26),
