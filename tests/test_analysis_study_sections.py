@@ -93,6 +93,20 @@ def test_multihop_section_says_so_when_every_run_is_at_chance(tmp_path):
     assert "Every run is near chance even at 1 hop" in sec.multihop_section(runs, tmp_path).text
 
 
+def test_multihop_claims_are_not_tested_when_no_run_learned_the_probe(tmp_path):
+    """A probe at chance at one hop cannot speak to depth (the section says so): its claims are
+    "not tested", not "inconclusive" (which the summary defines as 'more seeds could settle it'),
+    even where the Welch interval happens to exclude 0."""
+    runs = _probe_runs(gain=0.0)
+    for c in [c for c in runs.columns if c.startswith("probe_acc_hop_")]:
+        # block 0.02 above the baseline with tiny scatter: 'agrees' by the interval alone
+        runs[c] = 0.09 + 0.02 * (runs["variant"] == "block") + 0.001 * runs["seed"]
+    section = sec.multihop_section(runs, tmp_path)
+    assert "Every run is near chance even at 1 hop" in section.text
+    assert section.claims and {c.verdict for c in section.claims} == {"not tested"}
+    assert all("at chance" in c.ours for c in section.claims)
+
+
 def test_multihop_section_says_worse_when_it_is_worse(tmp_path):
     section = sec.multihop_section(_probe_runs(gain=-0.05), tmp_path)
     verdicts = {c.claim: c.verdict for c in section.claims}

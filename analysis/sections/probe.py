@@ -53,7 +53,8 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
              f"{len(hops)} hop counts (chance ≈ {CHANCE:g}: one of ten digits; a model that copies "
              "any digit of the prompt, following no chain, scores above it, about 0.23 on the "
              "default probe).\n\n")
-    if (runs[hops[0][1]] < 2 * CHANCE).all():
+    at_chance = bool((runs[hops[0][1]] < 2 * CHANCE).all())
+    if at_chance:
         text += (f"**Every run is near chance even at {hops[0][0]} hop** (the best "
                  f"{hops[0][0]}-hop accuracy of any run is {runs[hops[0][1]].max():.3f}): at this "
                  "budget no model learned to follow a chain at all, so this section cannot speak "
@@ -69,7 +70,11 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
         for stat, what in (("probe_mean", "mean over hop counts"),
                            ("probe_deepest", f"at {hops[-1][0]} hops")):
             d, h = abl.welch_interval(g[stat], base[stat])
+            # A probe no model learned even at one hop says nothing about depth: "not tested",
+            # not "inconclusive" (which promises that more seeds could settle it).
             claims.append(Claim(f"{v} answers multi-hop chains better than the baseline ({what})",
-                                f"Δ accuracy = {_f(d, 3)} ± {_f(h, 3)}",
-                                _verdict(d - h, d + h, better_is_negative=False)))
+                                f"Δ accuracy = {_f(d, 3)} ± {_f(h, 3)}"
+                                + ("; every run at chance, the probe was not learned" if at_chance else ""),
+                                "not tested" if at_chance
+                                else _verdict(d - h, d + h, better_is_negative=False)))
     return Section(title, text + _img(files, out, "multi-hop probe"), claims, files)
