@@ -267,6 +267,25 @@ def test_arch_replicated_cells_give_verdicts_beyond_seed_noise(tmp_path):
     assert verdict == "inconclusive" and "within seed noise" in ours
 
 
+def test_arch_says_which_ratios_were_trained_and_how_many_blocks_block_had(tmp_path):
+    """The sweep's nominal d_model/L_b columns are not what it trained when d_model is solved from
+    a budget (ours: the '40' column is 112×2, d_model/L_b 56, beside the paper's 45 and 60), and a
+    fixed S = 4 gives shallow Block runs one or two blocks (N = 1: the baseline with the embedding
+    as its own source). The section says both; an exact grid gets no such note."""
+    runs = _arch_runs({"baseline": {10: 2.10, 20: 2.05, 40: 2.00}, "block": {10: 2.10, 20: 2.05, 40: 2.01}})
+    runs["block_size"], runs["num_blocks"] = 4, np.nan
+    section, claims = _arch_claims(runs, tmp_path)
+    assert "nominal values" not in section.text and "trained at" not in claims["AttnRes prefers deeper, narrower models"][0]
+    assert "N = 1, 2, 4 blocks" in section.text and "not the paper's Block" in section.text
+    wide = runs.assign(d_model=np.where(runs["arch_d_model_per_layer"] == 40, 112, runs["d_model"]))
+    section, claims = _arch_claims(wide, tmp_path)
+    ratio = 112 / 2
+    assert f"10 → 10, 20 → 20, 40 → {ratio:.3g}" in section.text
+    ours, verdict = claims["AttnRes prefers deeper, narrower models"]
+    assert ours.startswith("block 40 (refined 40.0) vs baseline 40 (refined 40.0) nominal, "
+                           f"trained at d_model/L_b {ratio:.3g}") and verdict == "inconclusive"
+
+
 @pytest.mark.parametrize("last, verdict", [((0.3, 0.35, 0.4), "does not agree"), ((2.0, 2.2, 2.1), "agrees")])
 def test_dynamics_tests_the_baselines_growth_on_its_own(tmp_path, last, verdict):
     """The paper's premise, output RMS growing with depth in the baseline, is a claim of its own:

@@ -9,7 +9,38 @@ from scipy import stats
 
 from .. import architecture, figures
 from ..paper import Paper
+from .scaling import _block_count_note
 from .section import Claim, Section, _img, _md, _write
+
+NOMINAL_TOLERANCE = 0.05  # an actual ratio more than 5% off its nominal column is reported
+
+
+def _actual_ratios(grid: pd.DataFrame) -> dict[float, tuple[float, float]]:
+    """Nominal d_model/L_b column -> (min, max) of the trained shapes' actual d_model/L_b in it."""
+    col = "actual_" + architecture.X
+    if col not in grid:
+        return {}
+    return {float(x): (float(g[col].min()), float(g[col].max()))
+            for x, g in grid.groupby(architecture.X)}
+
+
+def _span(lo: float, hi: float) -> str:
+    return f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g}–{hi:.3g}"
+
+
+def _actual_note(grid: pd.DataFrame) -> str:
+    """One sentence when the sweep's nominal d_model/L_b columns are not the ratios it trained
+    (whole layers and heads, d_model solved from the budget): the optima and the figure's axis
+    are nominal, and a reader comparing them with the paper's 45 and 60 needs the actual ones."""
+    spans = _actual_ratios(grid)
+    off = {x: r for x, r in spans.items()
+           if max(abs(r[0] - x), abs(r[1] - x)) > NOMINAL_TOLERANCE * x}
+    if not off:
+        return ""
+    return ("The grid's d_model/L_b columns (and the figure's axis, and the optima above) are the "
+            "sweep's nominal values; the trained shapes' actual d_model/L_b per column: "
+            + ", ".join(f"{x:g} → {_span(*r)}" for x, r in sorted(spans.items()))
+            + " (`tables/fig7_arch_grid.md`, actual_d_model_per_layer).\n\n")
 
 
 def arch_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
@@ -38,6 +69,7 @@ def arch_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
                     "refined", "at_edge"]])
     text += ("\nOptimum: best grid cell, refined by the vertex of a parabola in log(d_model/L_b) "
              "through it and its two neighbours in the same heads/L_b row.\n\n")
+    text += _actual_note(ours) + _block_count_note(runs)
     claims = []
     o = opt[opt["source"] == "ours"].set_index("variant")
     if {"baseline", "block"} <= set(o.index):
@@ -99,6 +131,12 @@ def _optimum_claim(grid: pd.DataFrame, a, b, sigma: float, dof: int) -> Claim:
     name = "AttnRes prefers deeper, narrower models (optimum d_model/L_b 45 vs 60)"
     where = (f"block {a.grid_optimum:g} (refined {a.refined:.1f}) vs baseline "
              f"{b.grid_optimum:g} (refined {b.refined:.1f})")
+    spans = _actual_ratios(grid)
+    actual = [spans.get(float(x)) for x in sorted({a.grid_optimum, b.grid_optimum})]
+    if all(actual) and any(max(abs(lo - x), abs(hi - x)) > NOMINAL_TOLERANCE * x
+                           for x, (lo, hi) in zip(sorted({a.grid_optimum, b.grid_optimum}), actual)):
+        where += (" nominal, trained at d_model/L_b "
+                  + " and ".join(_span(*r) for r in actual))
     if a.grid_optimum == b.grid_optimum:
         return Claim(name, where + "; the same grid column", "inconclusive")
     if not dof:
