@@ -17,6 +17,7 @@ Design decisions:
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +69,10 @@ def welch_p(a, b) -> float:
     a, b = a[np.isfinite(a)], b[np.isfinite(b)]
     if len(a) < 2 or len(b) < 2:
         return np.nan
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        # scipy warns of "catastrophic cancellation" when a side's values are (nearly) equal,
+        # e.g. two seeds with the same probe accuracy: their variance is then 0, which is right.
+        warnings.simplefilter("ignore", RuntimeWarning)
         return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
 
 

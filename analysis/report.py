@@ -172,6 +172,13 @@ def _summary(sections) -> str:
         return "No claim of the paper could be checked with these runs.\n"
     df = pd.DataFrame([{"Section": t, "Paper's claim": c.claim, "Ours": c.ours,
                         "Verdict": c.verdict} for t, c in rows])
+    # Each verdict is a 5%-level test of its own; across a couple of dozen of them one or two
+    # come out "significant" by chance, so the p-values behind them are shown with Holm's
+    # family-wise adjustment over every tested check that has one (bootstrap intervals and counts
+    # have none and are not in the family).
+    p = pd.Series([c.p if c.verdict != "not tested" else float("nan") for _, c in rows], dtype=float)
+    adj = abl.holm(p.to_numpy())
+    df.insert(3, "p (Holm)", [f"{x:.2g} ({a:.2g})" if pd.notna(x) else "–" for x, a in zip(p, adj)])
     n = df["Verdict"].value_counts()
     head = (f"Of {len(df)} checks, {n.get('agrees', 0)} agree with the paper, "
             f"{n.get('does not agree', 0)} do not, {n.get('inconclusive', 0)} are inconclusive at "
@@ -179,8 +186,17 @@ def _summary(sections) -> str:
             "*Inconclusive* means our 95% interval admits both directions: more seeds or a larger "
             "scale could settle it (the ablation section says how many seeds a difference of the "
             "paper's size needs at our noise level); *does not agree* means our runs show the "
-            "opposite at that level, at our scale.\n\n")
-    return head + abl.to_markdown(df)
+            "opposite at that level, at our scale.")
+    decided = [i for i, (_, c) in enumerate(rows) if c.verdict in ("agrees", "does not agree")]
+    tested = int(p.notna().sum())
+    if tested > 1 and decided:
+        kept = [rows[i][1].claim for i in decided if pd.notna(adj[i]) and adj[i] < 0.05]
+        head += (f" Each verdict is a test at 5% of its own: p (Holm) gives its two-sided p-value "
+                 f"and, in brackets, the p-value adjusted by Holm's method over the {tested} "
+                 f"checks with a p-value (family-wise 5%); of the {len(decided)} that agree or do "
+                 f"not agree, {len(kept)} hold after the adjustment"
+                 + (f" ({'; '.join(kept)})" if kept else "") + ".")
+    return head + "\n\n" + abl.to_markdown(df)
 
 
 def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path, list[str]]:

@@ -322,3 +322,52 @@ def test_the_fig8_share_of_rows_reading_their_predecessor_most():
     d = _diagonal(W)
     assert d["recent_is_largest"] == 0.5
     assert abs(d["excess"] - ((0.8 + 0.3 + 0.7) / 3 - (1 / 2 + 1 / 3 + 1 / 4) / 3)) < 1e-12
+
+
+def test_summary_gives_each_verdicts_p_value_with_holms_adjustment():
+    """Two dozen checks at 5% each find one or two 'differences' by chance: the summary shows the
+    p-value behind every verdict that has one and Holm's family-wise adjustment over them, and
+    says how many decided verdicts survive it. Claims without a test (NaN) and 'not tested' ones
+    stay out of the family."""
+    from analysis.report import _summary
+    from analysis.sections.section import Claim, Section
+
+    ps = [0.012, 0.016, 0.033, 0.039, 0.5, 0.9, 0.0001]
+    verdicts = ["does not agree"] * 4 + ["inconclusive", "inconclusive", "agrees"]
+    claims = [Claim(f"claim {i}", "ours", v, p) for i, (v, p) in enumerate(zip(verdicts, ps))]
+    claims += [Claim("no test", "ours", "inconclusive"), Claim("skipped", "ours", "not tested", 0.001)]
+    text = _summary([Section("S", "", claims)])
+    adjusted = abl.holm(np.array(ps))
+    rows = [line for line in text.splitlines() if line.startswith("| S |")]
+    for i, (p, a) in enumerate(zip(ps, adjusted)):
+        assert rows[i].endswith(f"| {p:.2g} ({a:.2g}) | {verdicts[i]} |"), rows[i]  # before the verdict
+    assert rows[-2].endswith("| – | inconclusive |") and rows[-1].endswith("| – | not tested |")
+    kept = [f"claim {i}" for i, a in enumerate(adjusted) if a < 0.05 and verdicts[i] != "inconclusive"]
+    assert kept == ["claim 6"]  # only the p = 1e-4 'agrees' survives; the four at 0.012-0.039 do not
+    assert (f"over the {len(ps)} checks with a p-value" in text
+            and f"of the 5 that agree or do not agree, {len(kept)} hold after the adjustment (claim 6)" in text)
+
+
+def test_claims_carry_the_p_value_of_the_test_behind_their_interval(tmp_path):
+    """Full − Block's Welch interval and Fig. 8's t-interval over runs: the claim's p is that of
+    Welch's test and of the one-sample t test (scipy), to 1e-12."""
+    from analysis.paper import load_paper
+
+    rng = np.random.default_rng(1)
+    rows = [{"variant": v, "seed": s, "run_id": f"{v}{s}", "final_val_loss": mu + 0.02 * rng.standard_normal()}
+            for v, mu in (("baseline", 2.0), ("full", 1.95), ("block", 1.97)) for s in range(4)]
+    runs = pd.DataFrame(rows)
+    section = sec.ablation_section(runs, load_paper(None), tmp_path)
+    claim = next(c for c in section.claims if c.claim.startswith("Full AttnRes ≤ Block AttnRes"))
+    want = stats.ttest_ind(runs[runs.variant == "full"].final_val_loss,
+                           runs[runs.variant == "block"].final_val_loss, equal_var=False).pvalue
+    assert abs(claim.p - want) < 1e-12
+    nan = float("nan")
+    inst, excess = {}, []
+    for s in range(3):
+        w = 0.5 + 0.05 * s
+        inst[f"block{s}"] = {"depth_weights": [[1.0, nan], [1 - w, w], [0.3, 0.7]]}
+        excess.append((w + 0.7) / 2 - 0.5)
+    depth = sec.depth_section(runs[runs.variant == "block"].iloc[:3], inst, tmp_path)
+    claim = next(c for c in depth.claims if c.claim.startswith("block:"))
+    assert abs(claim.p - stats.ttest_1samp(excess, 0.0).pvalue) < 1e-12

@@ -9,7 +9,7 @@ import pandas as pd
 
 from .. import ablation as abl
 from .. import figures
-from .section import Claim, Section, _f, _img, _md, _verdict, _write
+from .section import Claim, Section, _f, _img, _md, _verdict, _write, t_p
 
 
 def _run_profile(rid, instrumentation, runs, key):
@@ -70,7 +70,8 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
         m, h, n = abl.t_interval(per_run["baseline"][0])
         claims.append(Claim("Output magnitude grows with depth for the baseline (PreNorm dilution)",
                             f"growth {_f(m, 3)} ± {_f(h, 3)} over {n} runs (1 = no growth)",
-                            _verdict(m - 1 - h, m - 1 + h, better_is_negative=False)))
+                            _verdict(m - 1 - h, m - 1 + h, better_is_negative=False),
+                            t_p(per_run["baseline"][0], 1.0)))
     for v in ("block", "full"):
         if {"baseline", v} <= set(per_run):
             for i, (what, stat) in enumerate((
@@ -80,7 +81,8 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
                 d, h = abl.welch_interval(per_run[v][i], per_run["baseline"][i])
                 b, a = per_run["baseline"][i].mean(), per_run[v][i].mean()
                 claims.append(Claim(what, f"{stat} {b:.3g} (baseline) vs {a:.3g}; "
-                                    f"Δ = {_f(d, 3)} ± {_f(h, 3)}", _verdict(d - h, d + h)))
+                                    f"Δ = {_f(d, 3)} ± {_f(h, 3)}", _verdict(d - h, d + h),
+                                    abl.welch_p(per_run[v][i], per_run["baseline"][i])))
     return Section(title, text + _img(files, out, "Fig. 5"), claims, files)
 
 
@@ -162,6 +164,9 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
              "replicates, so one run gives no interval. figure_run: the run the figure draws (the "
              "lowest seed); each of its panels has its own colour scale, from 0.\n\n")
     claims = []
+    excess = {v: [_diagonal(instrumentation[rid]["depth_weights"])["excess"]
+                  for rid in g["run_id"] if instrumentation.get(rid, {}).get("depth_weights")]
+              for v, g in runs.groupby("variant")}
     for r in rows:
         if r["variant"] in ("full", "block"):
             lo, hi = r["excess"] - r["excess_ci"], r["excess"] + r["excess_ci"]
@@ -172,5 +177,6 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
                                 f"{r['recent_weight']:.3f} vs uniform {r['uniform_share']:.3f}; "
                                 + spread + f"; the recent source is the largest in "
                                 f"{100 * r['recent_is_largest']:.0f}% of sublayer rows",
-                                _verdict(lo, hi, better_is_negative=False)))
+                                _verdict(lo, hi, better_is_negative=False),
+                                t_p(excess[r["variant"]])))
     return Section(title, text + _img(files, out, "Fig. 8"), claims, files)

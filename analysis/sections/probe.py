@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from .. import ablation as abl
@@ -76,5 +77,6 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
                                 f"Δ accuracy = {_f(d, 3)} ± {_f(h, 3)}"
                                 + ("; every run at chance, the probe was not learned" if at_chance else ""),
                                 "not tested" if at_chance
-                                else _verdict(d - h, d + h, better_is_negative=False)))
+                                else _verdict(d - h, d + h, better_is_negative=False),
+                                np.nan if at_chance else abl.welch_p(g[stat], base[stat])))
     return Section(title, text + _img(files, out, "multi-hop probe"), claims, files)
