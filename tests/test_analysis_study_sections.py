@@ -371,3 +371,23 @@ def test_claims_carry_the_p_value_of_the_test_behind_their_interval(tmp_path):
     depth = sec.depth_section(runs[runs.variant == "block"].iloc[:3], inst, tmp_path)
     claim = next(c for c in depth.claims if c.claim.startswith("block:"))
     assert abs(claim.p - stats.ttest_1samp(excess, 0.0).pvalue) < 1e-12
+
+
+def test_dynamics_shows_the_growth_of_the_state_entering_each_block(tmp_path):
+    """Output RMS is what a block writes; PreNorm dilution is about the stream it reads. The table
+    gives both: hidden_growth = hidden_rms_block[-1] / hidden_rms_block[0], mean over runs (to the
+    CSV's 6 significant digits, rel 1e-5), and no column at all when no run has the artifact's hidden profile."""
+    runs = pd.DataFrame({"run_id": [f"b{i}" for i in range(3)], "variant": "baseline", "seed": range(3)})
+    first, last = (0.04, 0.05, 0.02), (4.0, 2.0, 3.0)
+    inst = {f"b{i}": {"output_rms_block": [1.0, 0.5, 0.3], "grad_norm_block": [1.0, 2.0, 3.0],
+                      "hidden_rms_block": [f, 1.0, x]} for i, (f, x) in enumerate(zip(first, last))}
+    section = sec.dynamics_section(runs, inst, tmp_path)
+    table = pd.read_csv(tmp_path / "tables" / "fig5_dynamics.csv").set_index("variant")
+    want = np.mean([x / f for f, x in zip(first, last)])
+    assert abs(table.loc["baseline", "hidden_growth"] - want) < 1e-5 * want
+    assert "hidden_growth: RMS of the state entering the last block" in section.text
+    for p in inst.values():
+        del p["hidden_rms_block"]
+    section = sec.dynamics_section(runs, inst, tmp_path)
+    assert "hidden_growth" not in pd.read_csv(tmp_path / "tables" / "fig5_dynamics.csv").columns
+    assert "hidden_growth" not in section.text

@@ -48,9 +48,15 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
         growth = np.array([p[-1] / p[0] for p in o if p is not None and len(p)])
         spread = np.array([p.max() / p.min() for p in gr if p is not None and len(p)])
         per_run[v] = (growth, spread)
+        # The state entering each block (artifact only): the residual stream for the baseline,
+        # the depth read for AttnRes variants; the output RMS above is what the blocks write.
+        hidden = [np.asarray(instrumentation.get(r, {}).get("hidden_rms_block") or [], float)
+                  for r in g["run_id"]]
+        hidden = np.array([h[-1] / h[0] for h in hidden if len(h) > 1 and np.isfinite(h).all() and h[0] > 0])
         mo = profiles[v]["output_rms"]
         rows.append({"variant": v, "runs": len(g), "blocks": len(mo) if mo is not None else np.nan,
                      "rms_growth": growth.mean() if len(growth) else np.nan,
+                     "hidden_growth": hidden.mean() if len(hidden) else np.nan,
                      "grad_max_over_min": spread.mean() if len(spread) else np.nan})
     files = figures.dynamics(profiles, out / "figures")
     if not rows:
@@ -59,12 +65,22 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
                                                     "baseline, stays bounded with Block AttnRes",
                                                     "no instrumentation", "not tested")], files)
     t = pd.DataFrame(rows)
+    if t["hidden_growth"].isna().all():
+        t = t.drop(columns="hidden_growth")
     files += _write(t, out, "fig5_dynamics")
     text = _md(t)
-    text += ("\nrms_growth: output RMS of the last block over the first; grad_max_over_min: "
+    text += ("\nrms_growth: output RMS of the last block over the first (RMS of what the block's "
+             "sublayers write, f_l(h_l)); grad_max_over_min: "
              "spread of per-block gradient norms (1 = uniform). Means over the runs of each "
              "variant at their latest instrumentation step; the verdicts compare variants with a "
-             "95% Welch interval over runs.\n\n")
+             "95% Welch interval over runs.")
+    if "hidden_growth" in t:
+        text += (" hidden_growth: RMS of the state entering the last block over that entering the "
+                 "first (the embedding): the residual stream for the baseline, whose growth is "
+                 "what PreNorm dilution is about; for the other variants what their residual "
+                 "hands the block's first sublayer (for AttnRes, the depth read; "
+                 "`docs/RUN_SCHEMA.md`). Shown, not judged.")
+    text += "\n\n"
     claims = []
     if "baseline" in per_run:  # the paper's premise, tested on its own: growth above 1
         m, h, n = abl.t_interval(per_run["baseline"][0])
