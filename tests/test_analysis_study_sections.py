@@ -391,3 +391,33 @@ def test_dynamics_shows_the_growth_of_the_state_entering_each_block(tmp_path):
     section = sec.dynamics_section(runs, inst, tmp_path)
     assert "hidden_growth" not in pd.read_csv(tmp_path / "tables" / "fig5_dynamics.csv").columns
     assert "hidden_growth" not in section.text
+
+
+def test_the_papers_numbers_quoted_in_the_text_come_from_its_csvs(tmp_path):
+    """Full vs Block (Table 4) and the ends of Fig. 6's curve are read from the paper's CSVs, not
+    typed into the code: a paper folder with other numbers is quoted with those numbers."""
+    import shutil
+
+    from analysis.paper import DEFAULT_DIR, load_paper
+
+    folder = tmp_path / "paper"
+    shutil.copytree(DEFAULT_DIR, folder)
+    t4 = pd.read_csv(folder / "paper_table4_ablation.csv")
+    t4.loc[t4.variant == "full", "loss"] += 0.111
+    t4.to_csv(folder / "paper_table4_ablation.csv", index=False)
+    f6 = pd.read_csv(folder / "paper_fig6_block_size.csv")
+    f6.loc[f6.block_size_S == "32", "loss"] += 0.222
+    f6.to_csv(folder / "paper_fig6_block_size.csv", index=False)
+    paper = load_paper(folder)
+    full, block = (float(t4.loc[t4.variant == v, "loss"].iloc[0]) for v in ("full", "block"))
+    rows = [{"variant": v, "seed": s, "run_id": f"{v}{s}", "final_val_loss": 2.0 + 0.01 * s + 0.05 * (v == "full")}
+            for v in ("baseline", "full", "block") for s in range(3)]
+    section = sec.ablation_section(pd.DataFrame(rows), paper, tmp_path / "out")
+    assert any(c.claim == f"Full AttnRes ≤ Block AttnRes (paper {full:.3f} vs {block:.3f})" for c in section.claims)
+    runs = pd.DataFrame([{"variant": "block", "block_size": S, "layers": 16, "num_blocks": np.nan,
+                          "seed": s, "run_id": f"S{S}{s}", "final_val_loss": 2.0 + 0.01 * S + 0.001 * s}
+                         for S in (1, 4, 32) for s in range(2)])
+    text = sec.block_size_section(runs, paper, tmp_path / "out").text
+    ends = f6[f6.block_size_S != "baseline"]
+    assert (f"the paper's curve rises from {ends.loss.iloc[0]:.3f} (S=1) to {ends.loss.iloc[-1]:.3f} (S=32)"
+            in text)
