@@ -421,3 +421,17 @@ def test_the_papers_numbers_quoted_in_the_text_come_from_its_csvs(tmp_path):
     ends = f6[f6.block_size_S != "baseline"]
     assert (f"the paper's curve rises from {ends.loss.iloc[0]:.3f} (S=1) to {ends.loss.iloc[-1]:.3f} (S=32)"
             in text)
+
+
+@pytest.mark.parametrize("floor,said", [(0.0, True), (1.5, False)])
+def test_an_offset_fit_at_its_bound_is_said_to_reduce_to_the_pure_law(tmp_path, floor, said):
+    """E + A·C^-α with E left at 0 repeats the pure fit: the section says so (the study's three
+    offset rows had E ≈ 1e-10), and says nothing of the kind where the data have a floor."""
+    from analysis.paper import load_paper
+
+    C = np.repeat(np.geomspace(1e-9, 1e-7, 5), 2)
+    noise = np.exp(np.random.default_rng(0).normal(0, 0.003, len(C)))
+    runs = pd.DataFrame({"variant": ["baseline", "block"] * 5, "compute_pfd": C,
+                         "final_val_loss": floor + 0.1 * C ** -0.15 * noise})
+    text = sec.scaling_section(runs, load_paper(), tmp_path, n_boot=20, seed=0, at=None).text
+    assert ("E sits at its bound 0 for baseline, block" in text) == said, text

@@ -86,6 +86,13 @@ def scaling_section(runs: pd.DataFrame, paper: Paper, out: Path, *, n_boot: int,
     show = fit_table[["variant", "form", "runs", "sizes", "A", "A_lo", "A_hi", "alpha",
                       "alpha_lo", "alpha_hi", "E"]]
     text += _md(show)
+    # The offset form's E is bounded below by 0; a fit that leaves it there found no floor in
+    # this compute range, and its other columns repeat the pure fit (a table reader would
+    # otherwise take it for a second, independent law).
+    floorless = [v for v, f in offsets.items() if f.law.E <= 1e-6 * float(pts["final_val_loss"].min())]
+    if floorless:
+        text += (f"\nE + A·C^-α: E sits at its bound 0 for {', '.join(floorless)}: no loss floor shows "
+                 "in this compute range, and those rows reduce to the pure law.\n")
     if laws:
         text += ("\nPaper (Table 2): " + "; ".join(f"{v}: {law.label()}" for v, law in laws.items())
                  + ". Our runs are many orders of magnitude smaller, so A (which depends on the "
