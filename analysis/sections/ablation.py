@@ -136,7 +136,10 @@ def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, 
     text += (f"\nOne run per (variant, learning rate), seed {', '.join(f'{x:g}' for x in sorted(seeds))}; "
              "best_lr at_edge = the best point is at an end of the grid (the optimum may lie beyond "
              f"it). Δ to the tuned baseline is judged against ±{_f(half)} (t·σ·√2 with the "
-             f"ablation's pooled seed σ = {_f(sigma)}): *better*/*worse* only beyond it.\n\n")
+             f"ablation's pooled seed σ = {_f(sigma)}): *better*/*worse* only beyond it. That threshold "
+             "is approximate: each loss is the best of the grid's points, a minimum that seed noise "
+             "pulls down by more for a variant whose points are closer together, and σ was measured "
+             "at the ablation's learning rate only; seeds at each chosen rate would settle it.\n\n")
     claims = []
     common = table.dropna(subset=["loss", "paper_loss"])
     if len(common) >= 2:
