@@ -114,6 +114,11 @@ def _remove_empty_output_dir(output_dir: str | None) -> None:
 
 def run(cfg: DictConfig) -> float:
     """Train the run `cfg` describes (or resume it, or return its recorded result)."""
+    with _requeue_on_sigterm():
+        return _run(cfg)
+
+
+def _run(cfg: DictConfig) -> float:
     multirun, output_dir, overrides = _hydra_mode()
     try:
         spec = validate(cfg)
@@ -152,6 +157,24 @@ def run(cfg: DictConfig) -> float:
 
 def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder: RunFolder | None,
                    multirun: bool, output_dir: str | None, overrides: list) -> float:
+    with _stop_on_signals(StopSignals()) as stops:  # from here a stop request gets a checkpoint
+        result = _train_in_folder(spec, plain, data, folder, multirun, output_dir, overrides, stops)
+    late = stops.received
+    if late:
+        # Asked to stop when no step was left to stop after (during the last one, the plots or the
+        # model upload, or before a finished run's answer): the job is done and recorded, and the
+        # process still stops, so that a preempted multirun does not go on to its next job.
+        if _in_trial():
+            raise KeyboardInterrupt("" if late == "SIGINT" else late)
+        code = INTERRUPT_EXIT if late == "SIGINT" else REQUEUE_EXIT
+        print(f"stopped after the job ({late}); exit {code}" + (" = requeue me" if code == REQUEUE_EXIT else ""),
+              file=sys.stderr, flush=True)
+        raise SystemExit(code)
+    return result
+
+
+def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder: RunFolder | None,
+                     multirun: bool, output_dir: str | None, overrides: list, stops: StopSignals) -> float:
     c = spec.cfg
     record = distributed.from_main(folder.record() if folder is not None else None)  # rank 0's decides
     changed = _data_changed(record, data)
@@ -187,12 +210,11 @@ def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder
             folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
                                 tracking_uri=c.tracking.uri if tracker.enabled else None,
                                 data_sha256=data.fingerprint.get("sha256"))
-        trainer = Trainer(spec, data, tracker, folder, label=label)
+        trainer = stops.attach(Trainer(spec, data, tracker, folder, label=label))
         if state is not None:
             trainer.load_state_dict(state)
             log.info("resumed %s at step %d of %d", folder.path, trainer.step, spec.steps)
-        with _stop_on_signals(trainer):
-            final = trainer.fit()
+        final = trainer.fit()
         tracker.log_metrics(final, trainer.step)
         if c.tracking.log_plots and tracker.enabled and trainer.history:
             tracker.log_figure(instrument.depth_weights_figure(trainer.history[-1], label), "plots/depth_weights.png")
@@ -282,27 +304,69 @@ def _skip_failed(folder: RunFolder, record: dict[str, Any], multirun: bool) -> f
     raise SystemExit(1)
 
 
-@contextmanager
-def _stop_on_signals(trainer: Trainer):
-    """While training, SIGTERM and a first Ctrl-C mean "checkpoint after this step and stop"
-    rather than "die now": a KeyboardInterrupt raised anywhere could land inside a write to the
-    tracking store or the checkpoint (in an Optuna trial too: SQLAlchemy turns one caught
-    mid-commit into "database is locked"). A second Ctrl-C interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class StopSignals:
+    """Where SIGTERM and Ctrl-C go while a job holds its run: to the trainer as "checkpoint after
+    this step and stop" rather than "die now" (a KeyboardInterrupt raised anywhere could land
+    inside a write to the tracking store or the checkpoint; in an Optuna trial SQLAlchemy turns
+    one caught mid-commit into "database is locked"). A signal that comes before the trainer
+    exists (the checkpoint loading, the MLflow run opening) waits for it: training stops after its
+    first step, with a checkpoint, KILLED, exit 75; with the default action the job died with 143,
+    which no requeueing script reads as "requeue me", and its MLflow run stayed RUNNING. One that
+    comes after training (plots, model) lets the job finish and then stops the process (exit 75,
+    or 130 for Ctrl-C), as one during training does. A second Ctrl-C interrupts at once."""
 
-    def stop(signum, frame):
-        if signum == signal.SIGINT and trainer.stop_reason == "SIGINT":
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.received: str | None = None  # the last signal's name
+
+    def attach(self, trainer: Trainer) -> Trainer:
+        self.trainer = trainer
+        if self.received:
+            trainer.request_stop(self.received)
+        return trainer
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.received == "SIGINT":
             raise KeyboardInterrupt  # the second Ctrl-C
-        trainer.request_stop(signal.Signals(signum).name)
+        self.received = name
+        if self.trainer is not None:
+            self.trainer.request_stop(name)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+
+@contextmanager
+def _stop_on_signals(stops: StopSignals):
+    """SIGTERM and SIGINT go to `stops` (main thread only: Python delivers signals there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield stops
+        return
+    previous = {s: signal.signal(s, stops) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        yield stops
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextmanager
+def _requeue_on_sigterm():
+    """Before a job holds its run (validation, data loading, taking the run folder) there is
+    nothing to checkpoint: SIGTERM ends it at once with exit 75 ("requeue me") instead of the
+    default action's 143. Left alone where a handler is already set (the Optuna sweeper's, which
+    voids the trial)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        print(f"stopped before training (SIGTERM); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
+        raise SystemExit(REQUEUE_EXIT)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _log_model(tracker, model, plain: dict[str, Any]) -> None:

@@ -140,3 +140,57 @@ def test_a_stopped_optuna_sweep_is_one_line_and_the_runs_exit_code(tmp_path, sig
     stopped = torch.load(folder / "last.pt", weights_only=True)["step"]
     assert metric_steps(tmp_path, trial.info.run_id, "train/loss") == list(range(1, stopped + 1))
     assert json.loads((folder / "run.json").read_text())["status"] == "interrupted"
+
+
+def _preempted_in_process(tmp_path, monkeypatch, owner, name):
+    """job.run in this process with SIGTERM raised right after `owner.name` returns; the exit code."""
+    from harness import job
+    from harness_testing import compose, process_state_kept
+
+    original = getattr(owner, name)
+
+    def then_preempted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)
+        return result
+
+    def unhandled(signum, frame):  # what the job leaves to the process (the default action killed it)
+        raise AssertionError("SIGTERM reached the process's own handler")
+
+    monkeypatch.setattr(owner, name, then_preempted)
+    overrides = [*ARGS, "train.steps=6", *(o for o in isolated(tmp_path) if not o.startswith("hydra."))]
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with process_state_kept(), pytest.raises(SystemExit) as stop:
+            job.run(compose(overrides))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return stop.value.code
+
+
+def test_sigterm_while_the_mlflow_run_opens_stops_after_one_step_killed_and_resumable(tmp_path, monkeypatch, capsys):
+    """A preemption between taking the run folder and training (checkpoint loading, the MLflow
+    run opening) waits for the trainer: one step, a checkpoint, KILLED, exit 75. The default
+    action killed the job with 143 and left its MLflow run RUNNING."""
+    from harness import job
+
+    assert _preempted_in_process(tmp_path, monkeypatch, job, "_open_tracker") == REQUEUE_EXIT
+    assert "stopped at step 1 of 6" in capsys.readouterr().err
+    (run,) = runs(tmp_path)
+    assert run.info.status == "KILLED"
+    assert json.loads(next((tmp_path / "ckpt").rglob("run.json")).read_text())["status"] == "interrupted"
+    import torch
+
+    assert torch.load(next((tmp_path / "ckpt").rglob("last.pt")), weights_only=False)["step"] == 1
+
+
+def test_sigterm_after_training_lets_the_job_finish_then_exits_75(tmp_path, monkeypatch, capsys):
+    """During the final logging there is no step to stop after: the run finishes and is recorded,
+    and the process still stops (a preempted multirun must not start its next job)."""
+    from harness.train import Trainer
+
+    assert _preempted_in_process(tmp_path, monkeypatch, Trainer, "fit") == REQUEUE_EXIT
+    assert f"stopped after the job (SIGTERM); exit {REQUEUE_EXIT} = requeue me" in capsys.readouterr().err
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert json.loads(next((tmp_path / "ckpt").rglob("run.json")).read_text())["status"] == "finished"

@@ -108,7 +108,7 @@ def test_the_stop_signal_is_named_in_what_the_job_reports():
 
     import pytest
 
-    from harness.job import _stop_on_signals
+    from harness.job import StopSignals, _stop_on_signals
 
     class Trainer:
         stop_reason = None
@@ -117,7 +117,12 @@ def test_the_stop_signal_is_named_in_what_the_job_reports():
             self.stop_reason = reason
 
     trainer = Trainer()
-    with _stop_on_signals(trainer):
+    with _stop_on_signals(StopSignals()) as stops:
+        # Before the trainer exists (checkpoint loading, the MLflow run opening) a stop waits for it.
+        signal.raise_signal(signal.SIGTERM)
+        assert stops.received == "SIGTERM" and trainer.stop_reason is None
+        stops.attach(trainer)
+        assert trainer.stop_reason == "SIGTERM"
         handler = signal.getsignal(signal.SIGTERM)
         handler(signal.SIGUSR2, None)  # what _job_side.checkpoint_before_requeue hands on
         assert trainer.stop_reason == "SIGUSR2"
@@ -129,3 +134,31 @@ def test_the_stop_signal_is_named_in_what_the_job_reports():
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is not handler
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigterm_before_the_job_holds_its_run_exits_75_at_once(capsys):
+    """Validation, data loading, taking the run folder: nothing to checkpoint, so SIGTERM ends the
+    job with the requeue code (the default action's 143 is no "requeue me"); a handler already set
+    (the Optuna sweeper's) is left in charge."""
+    import signal
+
+    import pytest
+
+    from harness.job import REQUEUE_EXIT, _requeue_on_sigterm
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as stop, _requeue_on_sigterm():
+            signal.raise_signal(signal.SIGTERM)
+        assert stop.value.code == REQUEUE_EXIT
+        assert capsys.readouterr().err == f"stopped before training (SIGTERM); exit {REQUEUE_EXIT} = requeue me\n"
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+        def sweeper(signum, frame):
+            raise KeyboardInterrupt("SIGTERM")
+
+        signal.signal(signal.SIGTERM, sweeper)
+        with pytest.raises(KeyboardInterrupt), _requeue_on_sigterm():
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
