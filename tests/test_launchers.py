@@ -104,6 +104,7 @@ def test_local_gpus_refuses_a_gpu_list_it_cannot_use(tmp_path, gpus, says):
     assert not (tmp_path / "jobs.jsonl").exists()
 
 
+@pytest.mark.slow  # ~15 s, two training subprocesses; the launcher's GPU assignment is tested fast below
 def test_local_gpus_runs_a_two_job_training_multirun_to_completion(tmp_path):
     result = run_cli(["-m", "train.seed=0,1", *TINY, "train.steps=2", "tracking=off", "hydra/launcher=local_gpus",
                       "hydra.launcher.gpus=[0,1]"], tmp_path)

@@ -4,12 +4,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harness_testing import ROOT, TINY, isolated, metric_steps, runs
 
 FAST = ["train.steps=4", "tracking.log_code=false", "tracking.log_env=false", "tracking.log_model=false",
         "tracking.log_plots=false"]
 
 
+@pytest.mark.slow  # ~15 s, four training subprocesses at once
 def test_four_parallel_jobs_on_a_fresh_sqlite_store_all_finish(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()
     env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0")

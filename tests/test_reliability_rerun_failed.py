@@ -4,6 +4,8 @@ retry; the finished job returns its recorded result; only `train.retry_failed=tr
 failed one again, from its last good checkpoint, into the same MLflow run, under the same parent."""
 import time
 
+import pytest
+
 from harness_testing import TINY, compose, metric_steps, run_cli, runs
 
 FAST = ["optim.grad_clip=0", "train.checkpoint_interval=1", "tracking.log_code=false", "tracking.log_env=false",
@@ -47,6 +49,7 @@ def test_a_single_failed_run_rerun_exits_1_with_one_line(tmp_path, capsys):
         _skip_failed(folder, record, multirun=True)
 
 
+@pytest.mark.slow  # ~20 s, three multirun subprocesses; the skip decision is tested fast in this file
 def test_a_failed_job_is_skipped_on_rerun_and_retrained_only_when_asked(tmp_path):
     started = time.monotonic()
     first = run_cli(SWEEP, tmp_path)
