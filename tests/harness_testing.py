@@ -42,6 +42,23 @@ def process_state_kept():
         torch.set_num_threads(threads)
 
 
+@contextmanager
+def file_size_limit(nbytes: int):
+    """A full disk, without a full disk: writes that would take a file past `nbytes` fail with
+    EFBIG (SIGXFSZ ignored, so the write fails instead of the process dying); this process only."""
+    import resource
+    import signal
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+
+
 @pytest.fixture
 def restore_process_state():
     with process_state_kept():

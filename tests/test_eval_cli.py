@@ -243,20 +243,16 @@ def test_an_output_that_cannot_be_a_file_is_refused_before_evaluating(setup, cap
         assert err.startswith(f"evaluation: --output {bad}: ") and message in err and len(err.splitlines()) == 1
 
 
-def test_a_failed_output_write_leaves_no_half_written_file(setup, tmp_path):
+def test_a_failed_output_write_leaves_no_half_written_file(setup, tmp_path, capsys):
     """A write that fails midway (here: a file size limit of 64 bytes, as a full disk would) is one
     line and exit 1, and leaves no truncated JSON behind; it left the first 64 bytes and a traceback."""
+    from harness_testing import file_size_limit
+
     out = tmp_path / "results" / "r.json"
-    code = (
-        "import resource, signal, sys; from evaluation.cli import main; "
-        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # a write past the limit then fails with EFBIG
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64)); "
-        f"sys.exit(main([{str(setup['ck'])!r}, '--max-batches', '1', '--output', {str(out)!r}]))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1", "ATTNRES_CACHE": "off"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    err = result.stderr.strip()
-    assert result.returncode == 1, err[-2000:]
+    with file_size_limit(64):
+        code = main([str(setup["ck"]), "--max-batches", "1", "--output", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1, err[-2000:]
     assert err.startswith(f"evaluation: --output {out}: cannot write") and len(err.splitlines()) == 1, err[-2000:]
     assert list(out.parent.iterdir()) == []
 

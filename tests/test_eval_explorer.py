@@ -3,7 +3,6 @@ import array
 import base64
 import html
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,7 +17,6 @@ from attnres import DecoderLM, ModelConfig, ResidualConfig
 from evaluation.explorer import depth_weights, explorer_data, layout, main
 from evaluation.tokenizer import ByteTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium chromium-driver; .ci/run does)"
@@ -119,17 +117,13 @@ def test_an_out_that_cannot_be_written_leaves_nothing_half_written(checkpoint, t
     assert main([str(checkpoint), "--out", str(tmp_path / "afile" / "d.html")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"explorer: --out {tmp_path / 'afile' / 'd.html'}: ") and "not a folder" in err and len(err.splitlines()) == 1
+    from harness_testing import file_size_limit
+
     out = tmp_path / "pages" / "d.html"
-    code = (
-        "import resource, signal, sys; from evaluation.explorer import main; "
-        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # a write past the limit then fails with EFBIG
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
-        f"sys.exit(main([{str(checkpoint)!r}, '--out', {str(out)!r}, '--prompts', '1', '--length', '16']))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1", "ATTNRES_CACHE": "off"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    err = result.stderr.strip()
-    assert result.returncode == 1 and err.startswith(f"explorer: {out}: cannot write") and len(err.splitlines()) == 1, err[-2000:]
+    with file_size_limit(4096):
+        code = main([str(checkpoint), "--out", str(out), "--prompts", "1", "--length", "16"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith(f"explorer: {out}: cannot write") and len(err.splitlines()) == 1, err[-2000:]
     assert list(out.parent.iterdir()) == []
 
 

@@ -8,7 +8,7 @@ import torch
 
 from harness import checkpoint, job
 from harness_testing import restore_process_state  # noqa: F401  (a fixture, used below)
-from harness_testing import TINY, compose, isolated, metric_steps, runs
+from harness_testing import TINY, compose, file_size_limit, isolated, metric_steps, runs
 
 pytestmark = pytest.mark.usefixtures("restore_process_state")
 
@@ -48,20 +48,10 @@ def test_a_write_that_the_system_refuses_reaches_the_loop_as_an_oserror(tmp_path
     """Not a simulated exception: the system refuses the write (a file-size limit, as a full disk
     does), and torch's own writer reports it as a RuntimeError. The loop keeps training only on
     an OSError, so the run folder must turn it into one; the previous checkpoint stays."""
-    import resource
-    import signal
-
     folder = checkpoint.RunFolder(tmp_path / "run").acquire(fresh=False)
     folder.save({"step": 1})
-    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write(), not a killed process
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
-    try:
-        with pytest.raises(OSError, match="torch.save could not write"):
-            folder.save({"step": 2, "weights": torch.zeros(100_000)})  # 400 kB
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-        signal.signal(signal.SIGXFSZ, previous)
+    with file_size_limit(64 * 1024), pytest.raises(OSError, match="torch.save could not write"):
+        folder.save({"step": 2, "weights": torch.zeros(100_000)})  # 400 kB
     assert folder.load()["step"] == 1
     assert sorted(p.name for p in folder.path.iterdir()) == [".lock", "last.pt"]
     folder.release()
