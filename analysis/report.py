@@ -187,15 +187,21 @@ def _summary(sections) -> str:
             "scale could settle it (the ablation section says how many seeds a difference of the "
             "paper's size needs at our noise level); *does not agree* means our runs show the "
             "opposite at that level, at our scale.")
-    decided = [i for i, (_, c) in enumerate(rows) if c.verdict in ("agrees", "does not agree")]
+    # Only verdicts with a p-value are in the family: one that rests on a bootstrap interval or a
+    # count (no p) is neither kept nor dropped by the adjustment, and is not counted as dropped.
+    decided = [i for i, (_, c) in enumerate(rows)
+               if c.verdict in ("agrees", "does not agree") and pd.notna(p[i])]
+    untested = sum(c.verdict in ("agrees", "does not agree") and pd.isna(p[i]) for i, (_, c) in enumerate(rows))
     tested = int(p.notna().sum())
     if tested > 1 and decided:
-        kept = [rows[i][1].claim for i in decided if pd.notna(adj[i]) and adj[i] < 0.05]
+        kept = [rows[i][1].claim for i in decided if adj[i] < 0.05]
         head += (f" Each verdict is a test at 5% of its own: p (Holm) gives its two-sided p-value "
                  f"and, in brackets, the p-value adjusted by Holm's method over the {tested} "
-                 f"checks with a p-value (family-wise 5%); of the {len(decided)} that agree or do "
-                 f"not agree, {len(kept)} hold after the adjustment"
-                 + (f" ({'; '.join(kept)})" if kept else "") + ".")
+                 f"checks with a p-value (family-wise 5%); of the {len(decided)} with a p-value that "
+                 f"agree or do not agree, {len(kept)} hold after the adjustment"
+                 + (f" ({'; '.join(kept)})" if kept else "")
+                 + (f"; {untested} more rest on an interval or a count without a p-value, outside "
+                    "the adjustment" if untested else "") + ".")
     return head + "\n\n" + abl.to_markdown(df)
 
 

@@ -345,7 +345,22 @@ def test_summary_gives_each_verdicts_p_value_with_holms_adjustment():
     kept = [f"claim {i}" for i, a in enumerate(adjusted) if a < 0.05 and verdicts[i] != "inconclusive"]
     assert kept == ["claim 6"]  # only the p = 1e-4 'agrees' survives; the four at 0.012-0.039 do not
     assert (f"over the {len(ps)} checks with a p-value" in text
-            and f"of the 5 that agree or do not agree, {len(kept)} hold after the adjustment (claim 6)" in text)
+            and f"of the 5 with a p-value that agree or do not agree, {len(kept)} hold after the adjustment "
+                "(claim 6)." in text)
+
+
+def test_a_verdict_without_a_p_value_is_not_counted_as_failing_holms_adjustment():
+    """A bootstrap interval (the scaling multiplier) or a count decides a verdict with no p-value:
+    it is outside the family, so the summary must not count it among the decided verdicts that
+    'do not hold after the adjustment' (it read: of the 2 that agree, 1 holds)."""
+    from analysis.report import _summary
+    from analysis.sections.section import Claim, Section
+
+    claims = [Claim("bootstrap", "1.3x [1.1, 1.5]", "agrees"), Claim("welch", "d", "agrees", 0.001),
+              Claim("other", "d", "inconclusive", 0.4)]
+    text = _summary([Section("S", "", claims)])
+    assert "of the 1 with a p-value that agree or do not agree, 1 hold after the adjustment (welch)" in text
+    assert "1 more rest on an interval or a count without a p-value" in text
 
 
 def test_claims_carry_the_p_value_of_the_test_behind_their_interval(tmp_path):
