@@ -157,19 +157,31 @@ def _run(cfg: DictConfig) -> float:
 
 def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder: RunFolder | None,
                    multirun: bool, output_dir: str | None, overrides: list) -> float:
+    failure = None
     with _stop_on_signals(StopSignals()) as stops:  # from here a stop request gets a checkpoint
-        result = _train_in_folder(spec, plain, data, folder, multirun, output_dir, overrides, stops)
+        try:
+            result = _train_in_folder(spec, plain, data, folder, multirun, output_dir, overrides, stops)
+        except Exception as error:
+            # The job ended with an outcome of its own after a stop request (it diverged or was
+            # pruned at the step the signal came in, its checkpoint was unreadable...), recorded
+            # as such. A multirun or a sweep records the exception and starts its next job: the
+            # request would be lost, and the next job killed mid-step by the scheduler. (A single
+            # run ends here anyway, with the error's own line and exit code.)
+            if not (stops.received and (multirun or _in_trial())):
+                raise
+            failure = error
     late = stops.received
     if late:
         # Asked to stop when no step was left to stop after (during the last one, the plots or the
         # model upload, or before a finished run's answer): the job is done and recorded, and the
         # process still stops, so that a preempted multirun does not go on to its next job.
         if _in_trial():
-            raise KeyboardInterrupt("" if late == "SIGINT" else late)
+            raise KeyboardInterrupt("" if late == "SIGINT" else late) from failure
         code = INTERRUPT_EXIT if late == "SIGINT" else REQUEUE_EXIT
-        print(f"stopped after the job ({late}); exit {code}" + (" = requeue me" if code == REQUEUE_EXIT else ""),
+        ended = f"; it ended {type(failure).__name__}: {' '.join(str(failure).split())[:300]}" if failure else ""
+        print(f"stopped after the job ({late}{ended}); exit {code}" + (" = requeue me" if code == REQUEUE_EXIT else ""),
               file=sys.stderr, flush=True)
-        raise SystemExit(code)
+        raise SystemExit(code) from failure
     return result
 
 

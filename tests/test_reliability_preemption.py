@@ -194,3 +194,42 @@ def test_sigterm_after_training_lets_the_job_finish_then_exits_75(tmp_path, monk
     (run,) = runs(tmp_path)
     assert run.info.status == "FINISHED"
     assert json.loads(next((tmp_path / "ckpt").rglob("run.json")).read_text())["status"] == "finished"
+
+
+@pytest.mark.parametrize("mode", ["multirun", "trial"])
+def test_a_stop_request_still_ends_a_multirun_when_its_job_ends_with_an_error(tmp_path, monkeypatch, capsys, mode):
+    """SIGTERM during the step that also diverged (or was pruned, or during the loading of a
+    checkpoint that turns out unreadable): the job ends with its own outcome, which a multirun or
+    a sweep records before starting the next job. The stop request must still end the process
+    (exit 75; in a trial the sweeper's interrupt), not be lost with the job's exception."""
+    from harness import job
+    from harness.train import NonFiniteLoss, Trainer
+
+    def fit(self):
+        signal.raise_signal(signal.SIGTERM)  # the preemption, during this step...
+        raise NonFiniteLoss("non-finite training loss (nan) at step 1", 1)  # ...which diverged
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    if mode == "multirun":
+        monkeypatch.setattr(job, "_hydra_mode", lambda: (True, None, []))  # the basic launcher's job
+        expected = pytest.raises(SystemExit)
+    else:
+        monkeypatch.setattr(job, "_in_trial", lambda: True)
+        expected = pytest.raises(KeyboardInterrupt)
+    overrides = [*ARGS, "train.steps=6", *(o for o in isolated(tmp_path) if not o.startswith("hydra."))]
+    from harness_testing import compose, process_state_kept
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with process_state_kept(), expected as stop:
+            job.run(compose(overrides))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if mode == "multirun":
+        assert stop.value.code == REQUEUE_EXIT
+        assert "stopped after the job (SIGTERM; it ended NonFiniteLoss: " in capsys.readouterr().err
+    else:
+        assert str(stop.value) == "SIGTERM"  # what the sweeper reads as "exit 75"
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED"  # the job's own outcome stands
+    assert json.loads(next((tmp_path / "ckpt").rglob("run.json")).read_text())["status"] == "failed"
