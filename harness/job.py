@@ -44,6 +44,7 @@ from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_fol
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
 from harness.identity import changes_the_run, override_key
+from harness.resolvers import absolute_sqlite
 from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_tracking_uri, replay_folder
 from harness.train import NonFiniteLoss, StopRequested, Trainer, pruning
 
@@ -200,8 +201,10 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
             # The run folder is keyed by what a run computes, not where it logs: a run finished
             # into another store is not in this one, which the user would otherwise look for there.
             where = record.get("tracking_uri")
+            # (compared as stores: sqlite:///mlflow.db in the project root is the default's file)
             elsewhere = (f" in {where}, not in tracking.uri={c.tracking.uri}"
-                         if c.tracking.enabled and where and where != c.tracking.uri else "")
+                         if c.tracking.enabled and where and absolute_sqlite(where) != absolute_sqlite(c.tracking.uri)
+                         else "")
             again = ("train.resume=false (or another train.checkpoint_dir) trains it again into this "
                      "store" if elsewhere else "train.resume=false trains it again")
             print(f"{folder.path.name}: already finished (val loss {value:.4f}, MLflow run "

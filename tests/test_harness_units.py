@@ -460,3 +460,18 @@ def test_the_sqlite_side_files_of_the_default_stores_are_not_untracked_code():
     if result.returncode == 128:
         pytest.skip("not a git checkout")
     assert result.stdout.split() == names
+
+
+def test_a_finished_run_asked_for_with_the_same_store_spelt_relatively_is_not_said_to_be_elsewhere(
+        tmp_path, monkeypatch, capsys):
+    """`tracking.uri=sqlite:///mlflow.db` from the folder that holds it is the store the run was
+    recorded in as sqlite:////<that folder>/mlflow.db: the "already finished" line must not say it
+    is in another store and offer to train it again "into this store"."""
+    overrides = _overrides(tmp_path, "tracking.log_code=false", "tracking.log_env=false",
+                           "tracking.log_model=false", "tracking.log_plots=false", "tracking.log_explorer=false")
+    job.run(compose(overrides))
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    job.run(compose([o for o in overrides if not o.startswith("tracking.uri=")] + ["tracking.uri=sqlite:///mlflow.db"]))
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if "already finished" in l]
+    assert "not in tracking.uri" not in line and line.endswith("; train.resume=false trains it again"), line
