@@ -124,6 +124,8 @@ def _torch_save(state: dict[str, Any], path: Path) -> None:
     try:
         torch.save(state, path)
     except RuntimeError as error:
+        if not any(w in str(error) for w in ("inline_container", "PytorchStreamWriter", "file write failed")):
+            raise  # not the writer's (a CUDA fault in the copy to the host, say): a real error
         raise OSError(f"torch.save could not write {path.name}: {' '.join(str(error).split())} "
                       "(a full disk, a quota or a file-size limit)") from error
 

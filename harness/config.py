@@ -377,7 +377,8 @@ def _parallel_mode(t: TrainConfig, o: OptimConfig, device: torch.device) -> tupl
         _fail(f"SLURM_STEP_NUM_TASKS={step_tasks}: srun started {step_tasks} copies of run.py, each of which would "
               "train this run alone; run one task per node that starts torchrun (`srun --ntasks-per-node=1 "
               "torchrun --nproc_per_node=G run.py ...`, docs/DISTRIBUTED.md) or use hydra/launcher=slurm with "
-              "tasks_per_node; allowed without torchrun: one task")
+              "tasks_per_node; allowed without torchrun: one task (in a shell that srun started with several "
+              "tasks, unset SLURM_STEP_NUM_TASKS)")
     mode = t.distributed if t.distributed is not None else (ParallelMode.ddp if world > 1 else None)
     if mode is None:
         return None, 1

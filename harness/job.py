@@ -324,8 +324,8 @@ class StopSignals:
     this step and stop" rather than "die now" (a KeyboardInterrupt raised anywhere could land
     inside a write to the tracking store or the checkpoint; in an Optuna trial SQLAlchemy turns
     one caught mid-commit into "database is locked"). A signal that comes before the trainer
-    exists (the checkpoint loading, the MLflow run opening) waits for it: training stops after its
-    first step, with a checkpoint, KILLED, exit 75; with the default action the job died with 143,
+    exists (the checkpoint loading, the MLflow run opening) waits for it: training stops before its
+    first step (Trainer.fit), KILLED, exit 75; with the default action the job died with 143,
     which no requeueing script reads as "requeue me", and its MLflow run stayed RUNNING. One that
     comes after training (plots, model) lets the job finish and then stops the process (exit 75,
     or 130 for Ctrl-C), as one during training does. A second Ctrl-C interrupts at once."""

@@ -242,6 +242,12 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         spec, t = self.spec, self.cfg.train
         total, accum = spec.steps, spec.accum_steps
+        # A stop asked for before training began (while the checkpoint loaded or the MLflow run
+        # opened) stops here: what is on disk is already this step's state, and a first step
+        # (a torch.compile on a GPU: minutes) could outlast the scheduler's grace period. Every
+        # rank takes part in the decision, so none enters a step the others skip.
+        if self.parallel.sums(float(self._stop_requested))[0] > 0:
+            raise StopRequested(f"stopped at step {self.step} of {total} before training; rerun to resume")
         batches = self.parallel.train_batches(self.data.train, self.step)  # this rank's micro-batches
         bar = tqdm(total=total, initial=self.step, desc=self.label, unit="step", dynamic_ncols=True,
                    disable=not t.progress or rank() != 0, leave=False)
