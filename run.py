@@ -10,7 +10,8 @@
 
 Returns the final validation loss (for sweepers). Everything else lives in harness/
 (docs/HARNESS.md): config (schemas, validation), job (one run), train (the loop), tracking
-(MLflow), checkpoint, provenance, instrument, callbacks (multirun parent run).
+(MLflow), checkpoint, stopping (signals, exit codes), provenance, instrument, callbacks
+(multirun parent run).
 """
 from harness import openmp
 

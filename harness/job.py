@@ -29,10 +29,7 @@ import errno
 import logging
 import os
 import shutil
-import signal
 import sys
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +42,13 @@ from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, valida
 from harness.data import DataError, TokenData, load_data
 from harness.identity import changes_the_run, override_key
 from harness.resolvers import absolute_sqlite
+from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
 from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_tracking_uri, replay_folder
 from harness.train import NonFiniteLoss, StopRequested, Trainer, pruning
 
 log = logging.getLogger(__name__)
 
 PARENT_ENV = "ATTNRES_PARENT_RUN_ID"  # set by harness.callbacks for the jobs of a multirun
-# Exit status of a run stopped by SIGTERM after checkpointing: sysexits' EX_TEMPFAIL ("temporary
-# failure, the user is invited to retry"), distinct from 1 (an error: do not retry blindly), 2 (bad
-# input), 124 (timeout(1)) and 137 (SIGKILL). A launcher or batch script requeues on it.
-REQUEUE_EXIT = 75
-INTERRUPT_EXIT = 130  # Ctrl-C (128 + SIGINT, the shell's convention), after the same checkpoint
 # A file system that refuses writes: full, over quota, read-only, failing, or a file-size limit.
 DISK_ERRNOS = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS", "EIO", "EFBIG") if hasattr(errno, n)}
 
@@ -115,7 +108,7 @@ def _remove_empty_output_dir(output_dir: str | None) -> None:
 
 def run(cfg: DictConfig) -> float:
     """Train the run `cfg` describes (or resume it, or return its recorded result)."""
-    with _requeue_on_sigterm():
+    with requeue_on_sigterm():
         return _run(cfg)
 
 
@@ -159,7 +152,7 @@ def _run(cfg: DictConfig) -> float:
 def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder: RunFolder | None,
                    multirun: bool, output_dir: str | None, overrides: list) -> float:
     failure = None
-    with _stop_on_signals(StopSignals()) as stops:  # from here a stop request gets a checkpoint
+    with stop_on_signals(StopSignals()) as stops:  # from here a stop ends the run KILLED, resumable
         try:
             result = _train_in_folder(spec, plain, data, folder, multirun, output_dir, overrides, stops)
         except Exception as error:
@@ -317,71 +310,6 @@ def _skip_failed(folder: RunFolder, record: dict[str, Any], multirun: bool) -> f
     if multirun:
         raise PreviouslyFailed(line)
     raise SystemExit(1)
-
-
-class StopSignals:
-    """Where SIGTERM and Ctrl-C go while a job holds its run: to the trainer as "checkpoint after
-    this step and stop" rather than "die now" (a KeyboardInterrupt raised anywhere could land
-    inside a write to the tracking store or the checkpoint; in an Optuna trial SQLAlchemy turns
-    one caught mid-commit into "database is locked"). A signal that comes before the trainer
-    exists (the checkpoint loading, the MLflow run opening) waits for it: training stops before its
-    first step (Trainer.fit), KILLED, exit 75; with the default action the job died with 143,
-    which no requeueing script reads as "requeue me", and its MLflow run stayed RUNNING. One that
-    comes after training (plots, model) lets the job finish and then stops the process (exit 75,
-    or 130 for Ctrl-C), as one during training does. A second Ctrl-C interrupts at once."""
-
-    def __init__(self) -> None:
-        self.trainer: Trainer | None = None
-        self.received: str | None = None  # the last signal's name
-
-    def attach(self, trainer: Trainer) -> Trainer:
-        self.trainer = trainer
-        if self.received:
-            trainer.request_stop(self.received)
-        return trainer
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self.received == "SIGINT":
-            raise KeyboardInterrupt  # the second Ctrl-C
-        self.received = name
-        if self.trainer is not None:
-            self.trainer.request_stop(name)
-
-
-@contextmanager
-def _stop_on_signals(stops: StopSignals):
-    """SIGTERM and SIGINT go to `stops` (main thread only: Python delivers signals there)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield stops
-        return
-    previous = {s: signal.signal(s, stops) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield stops
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-@contextmanager
-def _requeue_on_sigterm():
-    """Before a job holds its run (validation, data loading, taking the run folder) there is
-    nothing to checkpoint: SIGTERM ends it at once with exit 75 ("requeue me") instead of the
-    default action's 143. Left alone where a handler is already set (the Optuna sweeper's, which
-    voids the trial)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        print(f"stopped before training (SIGTERM); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
-        raise SystemExit(REQUEUE_EXIT)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _log_model(tracker, model, plain: dict[str, Any]) -> None:

@@ -111,7 +111,7 @@ def test_the_stop_signal_is_named_in_what_the_job_reports():
 
     import pytest
 
-    from harness.job import StopSignals, _stop_on_signals
+    from harness.stopping import StopSignals, stop_on_signals
 
     class Trainer:
         stop_reason = None
@@ -120,7 +120,7 @@ def test_the_stop_signal_is_named_in_what_the_job_reports():
             self.stop_reason = reason
 
     trainer = Trainer()
-    with _stop_on_signals(StopSignals()) as stops:
+    with stop_on_signals(StopSignals()) as stops:
         # Before the trainer exists (checkpoint loading, the MLflow run opening) a stop waits for it.
         signal.raise_signal(signal.SIGTERM)
         assert stops.received == "SIGTERM" and trainer.stop_reason is None
@@ -147,11 +147,11 @@ def test_sigterm_before_the_job_holds_its_run_exits_75_at_once(capsys):
 
     import pytest
 
-    from harness.job import REQUEUE_EXIT, _requeue_on_sigterm
+    from harness.stopping import REQUEUE_EXIT, requeue_on_sigterm
 
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        with pytest.raises(SystemExit) as stop, _requeue_on_sigterm():
+        with pytest.raises(SystemExit) as stop, requeue_on_sigterm():
             signal.raise_signal(signal.SIGTERM)
         assert stop.value.code == REQUEUE_EXIT
         assert capsys.readouterr().err == f"stopped before training (SIGTERM); exit {REQUEUE_EXIT} = requeue me\n"
@@ -161,7 +161,7 @@ def test_sigterm_before_the_job_holds_its_run_exits_75_at_once(capsys):
             raise KeyboardInterrupt("SIGTERM")
 
         signal.signal(signal.SIGTERM, sweeper)
-        with pytest.raises(KeyboardInterrupt), _requeue_on_sigterm():
+        with pytest.raises(KeyboardInterrupt), requeue_on_sigterm():
             signal.raise_signal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, previous)

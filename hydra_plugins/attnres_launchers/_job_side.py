@@ -30,9 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# The harness's exit status for "checkpointed on request; run me again" (harness/job.py
-# REQUEUE_EXIT, sysexits' EX_TEMPFAIL). Not imported: that module loads torch and MLflow.
-REQUEUE_EXIT = 75
+from harness.stopping import REQUEUE_EXIT  # "checkpointed on request; run me again" (no torch)
 
 
 def _is_submitit_handler(handler: Any) -> bool:

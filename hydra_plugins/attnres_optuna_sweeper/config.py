@@ -20,6 +20,9 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
 
+# A stopped sweep exits as a stopped training run does: 130 (Ctrl-C), 75 (SIGTERM: requeue me).
+from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT  # noqa: F401  (no torch there)
+
 SAMPLERS = ("tpe", "gp", "cmaes", "random", "grid")
 PRUNERS = ("median", "successive_halving", "hyperband", "none")
 DIRECTIONS = ("minimize", "maximize")
@@ -34,11 +37,6 @@ class SweeperConfigError(CompactHydraException):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"attnres_optuna sweeper: {message}")
-
-
-# Exit statuses of a stopped sweep, as harness.job's for a stopped training run (not imported:
-# the sweeper does not load torch): Ctrl-C, and SIGTERM's "requeue me" (sysexits' EX_TEMPFAIL).
-INTERRUPT_EXIT, REQUEUE_EXIT = 130, 75
 
 
 class SweepAborted(CompactHydraException):
