@@ -131,9 +131,16 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tra
 DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}  # database stores: default ports
 
 
-def _hide_password(uri: str) -> str:
-    """The URI as a message may show it: `scheme://user:***@host/...` (logs outlive a password)."""
-    return re.sub(r"(://[^/:@]*:)[^@/]*@", r"\1***@", uri)
+def redact(url: str) -> str:
+    """A database URL as a message or a tag may show it: the password as *** (logs outlive a
+    password); the Optuna sweeper's storage URLs too."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
 
 
 def check_database(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tracking.uri=") -> None:
@@ -148,7 +155,7 @@ def check_database(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "trac
     from sqlalchemy.exc import ArgumentError
     from sqlalchemy.pool import NullPool
 
-    shown = _hide_password(uri)
+    shown = redact(uri)
     allowed = "allowed: a running database's URI with an installed driver (e.g. postgresql+psycopg2://…), " \
               "an http(s):// server, a sqlite:/// path" + (" or tracking=off" if option == "tracking.uri=" else "")
     try:

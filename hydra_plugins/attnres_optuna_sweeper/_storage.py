@@ -46,6 +46,8 @@ from sqlalchemy.exc import (
     ProgrammingError,
 )
 
+from harness.tracking import redact  # noqa: F401  (the password out of logs and tags; _runner uses it)
+
 from ._ledger import FAILURE_ATTR, VOID_ATTR
 from .config import SweeperConfigError
 
@@ -85,14 +87,6 @@ def absolute_sqlite(url: str, base_dir: Path) -> str:
         path = base_dir / path
     path.parent.mkdir(parents=True, exist_ok=True)
     return parsed.set(database=str(path)).render_as_string(hide_password=False)
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for logs and MLflow tags."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return url
 
 
 def sqlite_init_lock(url: str) -> ContextManager[object]:
