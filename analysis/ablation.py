@@ -43,6 +43,16 @@ def t_interval(values, level: float = LEVEL) -> tuple[float, float, int]:
     return float(v.mean()), float(half), n
 
 
+def t_p(values, null: float = 0.0) -> float:
+    """Two-sided p-value of the one-sample t test of mean = ``null`` (the test behind
+    :func:`t_interval`); NaN with fewer than 2 finite values or no spread."""
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v)]
+    if len(v) < 2 or not v.std(ddof=1) > 0:
+        return np.nan
+    return float(stats.ttest_1samp(v, null).pvalue)
+
+
 def welch_interval(a, b, level: float = LEVEL) -> tuple[float, float]:
     """(mean(a) − mean(b), half-width) with Welch's degrees of freedom; NaN half-width if either
     side has fewer than 2 values."""

@@ -9,7 +9,7 @@ import pandas as pd
 
 from .. import ablation as abl
 from .. import figures
-from .section import Claim, Section, _f, _img, _md, _verdict, _write, t_p
+from .section import Claim, Section, _f, _img, _md, _verdict, _write
 
 
 def _run_profile(rid, instrumentation, runs, key):
@@ -87,7 +87,7 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
         claims.append(Claim("Output magnitude grows with depth for the baseline (PreNorm dilution)",
                             f"growth {_f(m, 3)} ± {_f(h, 3)} over {n} runs (1 = no growth)",
                             _verdict(m - 1 - h, m - 1 + h, better_is_negative=False),
-                            t_p(per_run["baseline"][0], 1.0)))
+                            abl.t_p(per_run["baseline"][0], 1.0)))
     for v in ("block", "full"):
         if {"baseline", v} <= set(per_run):
             for i, (what, stat) in enumerate((
@@ -194,5 +194,5 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
                                 + spread + f"; the recent source is the largest in "
                                 f"{100 * r['recent_is_largest']:.0f}% of sublayer rows",
                                 _verdict(lo, hi, better_is_negative=False),
-                                t_p(excess[r["variant"]])))
+                                abl.t_p(excess[r["variant"]])))
     return Section(title, text + _img(files, out, "Fig. 8"), claims, files)

@@ -58,18 +58,6 @@ def _verdict(lo, hi, better_is_negative=True):
     return "agrees" if lo > 0 else "does not agree" if hi < 0 else "inconclusive"
 
 
-def t_p(values, null: float = 0.0) -> float:
-    """Two-sided p-value of the one-sample t test of mean = ``null`` (the test behind
-    ``abl.t_interval``); NaN with fewer than 2 finite values or no spread."""
-    v = np.asarray(values, float)
-    v = v[np.isfinite(v)]
-    if len(v) < 2 or not v.std(ddof=1) > 0:
-        return np.nan
-    from scipy import stats
-
-    return float(stats.ttest_1samp(v, null).pvalue)
-
-
 def _md(df: pd.DataFrame) -> str:
     """Markdown with floats at 4 significant digits and missing values as a dash."""
     def cell(x):
