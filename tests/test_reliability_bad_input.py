@@ -87,6 +87,11 @@ CASES = {
     "a rope_theta that gives NaN": (["model.rope_theta=0"], "model.rope_theta=0.0 must be positive"),
     "a negative init_std": (["-m", "residual=baseline,block", "model.init_std=-1"],
                             "model.init_std=-1.0 must be a finite number >= 0"),
+    # The config's own line named the sampled value (model.layers=2.0), which the user never typed.
+    "a float range over an integer key": (["-m", "hydra/sweeper=attnres_optuna", "model.layers=interval(2,4)",
+                                           "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],
+                                          "model.layers: interval(...) samples floats, but model.layers takes "
+                                          "integers; allowed: tag(int, interval(2, 4)) or range(2, 5)"),
     "a value no Optuna trial can run": (["-m", "hydra/sweeper=attnres_optuna", "optim.lr=interval(1e-3,1e-2)",
                                          "residual=block", "residual.num_blocks=3",
                                          "hydra.sweeper.storage=sqlite:///{tmp}/optuna.db"],

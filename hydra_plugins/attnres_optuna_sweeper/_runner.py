@@ -38,7 +38,7 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
-from optuna.distributions import CategoricalDistribution
+from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
 from harness import pruning
@@ -450,6 +450,9 @@ def compose_jobs(
         try:
             job_cfg = loader.load_sweep_config(config, [*plan.fixed, *cell.overrides, *sample])
         except Exception as error:
+            floats = _float_range_over_an_integer(loader, config, plan, cell, sample)
+            if floats is not None:
+                raise SweeperConfigError(floats) from None
             first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
             # The cause stays attached: an app can print its own line from it (run.py does,
             # harness/composition_errors.py); Hydra's report prints this message only.
@@ -458,6 +461,29 @@ def compose_jobs(
             ) from error
         if check is not None:
             check(job_cfg)
+
+
+def _float_range_over_an_integer(
+    loader: Any, config: DictConfig, plan: Plan, cell: Cell, sample: list[str]
+) -> str | None:
+    """The line for `model.layers=interval(2,8)`: an interval samples floats, which an integer
+    key refuses, and the config's own error would name the sampled `model.layers=2.0`, a value
+    the user never typed. Found by composing again with that one value made an integer."""
+    for i, d in enumerate(plan.dimensions):
+        dist = d.distribution
+        if not isinstance(dist, FloatDistribution) or dist.step is not None:
+            continue
+        low, high = math.ceil(dist.low), math.floor(dist.high)
+        whole = [*sample[:i], f"{d.key}={low}", *sample[i + 1:]]
+        try:
+            loader.load_sweep_config(config, [*plan.fixed, *cell.overrides, *whole])
+        except Exception:  # noqa: BLE001 - not this dimension (or not only): the general line
+            continue
+        return (
+            f"{d.name}: interval(...) samples floats, but {d.name} takes integers; allowed: "
+            f"tag(int, interval({low}, {high})) or range({low}, {high + 1})"
+        )
+    return None
 
 
 @dataclass(frozen=True)
