@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import distributed, instrument, malloc, provenance
+from harness import distributed, instrument, malloc, provenance, pruning
 from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
@@ -44,7 +44,7 @@ from harness.identity import changes_the_run, override_key
 from harness.resolvers import absolute_sqlite
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
 from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_tracking_uri, replay_folder
-from harness.train import NonFiniteLoss, StopRequested, Trainer, pruning
+from harness.train import NonFiniteLoss, StopRequested, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -343,13 +343,13 @@ def _log_explorer(tracker, model, spec: RunSpec, data: TokenData) -> None:
 
 def _in_trial() -> bool:
     """Whether this job is an Optuna trial run in the sweeper's process."""
-    return pruning is not None and pruning.current_trial() is not None
+    return pruning.current_trial() is not None
 
 
 def _end_on_error(tracker, folder: RunFolder | None, error: BaseException, interrupted: bool = False) -> None:
     """End the MLflow run and the record as `error` says. interrupted: resumable whatever the
     error (a collective broken by a lost process)."""
-    if pruning is not None and isinstance(error, pruning.TrialPruned):
+    if isinstance(error, pruning.TrialPruned):
         tracker.end("PRUNED", {"pruned": "true"})
         status = "pruned"
     elif interrupted or isinstance(error, (KeyboardInterrupt, StopRequested, SystemExit)):  # a launcher's exit: resumable
@@ -374,7 +374,7 @@ def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, sta
     if not c.tracking.enabled or rank() != 0:
         return NullTracker()
     parent = c.tracking.parent_run_id or (os.environ.get(PARENT_ENV) if multirun else None)
-    trial = pruning.current_trial() if pruning is not None else None
+    trial = pruning.current_trial()
     tags = {
         "attnres.role": "trial" if trial is not None else "job",
         "attnres.variant": c.residual.name,

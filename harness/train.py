@@ -42,13 +42,10 @@ from tqdm.auto import tqdm
 from attnres import DecoderLM
 from harness import distributed, instrument
 from harness.config import RunSpec, rank, to_plain
+from harness import pruning
 from harness.data import MultiHopProbe, TokenData, val_batches
 from harness.optim import build_optimizer, lr_multiplier, set_lr
 
-try:  # the sweeper's interface; absent in a checkout without the sweeper
-    from harness import pruning
-except ImportError:  # pragma: no cover
-    pruning = None
 
 KILL_ENV = "ATTNRES_TEST_KILL_AT_STEP"
 
@@ -229,8 +226,7 @@ class Trainer:
         if not math.isfinite(loss):
             raise NonFiniteLoss(f"non-finite validation loss ({loss}) at step {self.step}", self.step)
         self.best_val = min(self.best_val, loss)
-        if pruning is not None:
-            pruning.report(self.step, loss)  # raises pruning.TrialPruned when a sweep says stop
+        pruning.report(self.step, loss)  # raises pruning.TrialPruned when a sweep says stop
 
     def _instrument(self, grad_norms: list[float] | None) -> None:
         rec = instrument.record(self.model, self.instrument_x, self.step, grad_norms)
