@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from harness.atomic_write import atomic_write
 from harness.config import flatten
 from harness.identity import NOT_IDENTITY
 from harness.pruning import TrialNotRun
@@ -89,31 +90,6 @@ def creatable(folder: Path) -> OSError | None:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in str(name)) or "_"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # Windows cannot open folders; the rename is still atomic there
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path), fsync it, rename it onto `path`; on any error remove the temp file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _torch_save(state: dict[str, Any], path: Path) -> None:

@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator, Mapping
 
+from harness.atomic_write import atomic_write
+
 log = logging.getLogger(__name__)
 
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
@@ -385,7 +387,7 @@ class MlflowTracker(NullTracker):
         path = self.pending_dir / PENDING_TAGS
         waiting = json.loads(path.read_text()) if path.exists() else {}
         waiting.update({k: str(v) for k, v in tags.items()})
-        _write_atomic(path, json.dumps(waiting))
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(waiting)))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -461,7 +463,7 @@ class MlflowTracker(NullTracker):
             finally:
                 rest = waiting[sent:]
                 if rest:  # never send a point twice: keep only what did not go
-                    _write_atomic(path, "".join(_metric_line(m) for m in rest))
+                    atomic_write(path, lambda tmp: tmp.write_text("".join(_metric_line(m) for m in rest)))
                 else:
                     path.unlink()
         kept = self.pending_dir / PENDING_ARTIFACTS
@@ -540,7 +542,7 @@ class MlflowTracker(NullTracker):
                     raise
                 if mlflow.active_run() is not None and mlflow.active_run().info.run_id == self.run_id:
                     mlflow.tracking.fluent._active_run_stack.get().pop()  # this process is done with it
-                _write_atomic(self.pending_dir / END_PENDING, json.dumps({"status": mlflow_status}))
+                atomic_write(self.pending_dir / END_PENDING, lambda tmp: tmp.write_text(json.dumps({"status": mlflow_status})))
                 print(f"warning: the MLflow server is unreachable: run {self.run_id} stays RUNNING there; "
                       f"its metrics wait in {self.pending_dir / PENDING_METRICS}. Rerun the same command "
                       "when the server is back to send them", file=sys.stderr, flush=True)
@@ -572,12 +574,6 @@ def _clear_pending(folder: Path) -> None:
     for name in (PENDING_METRICS, PENDING_TAGS, END_PENDING):
         (folder / name).unlink(missing_ok=True)
     shutil.rmtree(folder / PENDING_ARTIFACTS, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def replay_folder(uri: str, run_id: str, folder: Path) -> bool:

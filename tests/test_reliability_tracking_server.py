@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 
 from harness import job
-from harness.tracking import PENDING_METRICS, MlflowTracker
+from harness.tracking import PENDING_METRICS, PENDING_TAGS, MlflowTracker
 from harness_testing import restore_process_state  # noqa: F401  (a fixture, used below)
-from harness_testing import ROOT, TINY, compose
+from harness_testing import ROOT, TINY, compose, file_size_limit
 
 FAST = ["tracking.log_code=false", "tracking.log_env=false"]
 
@@ -145,3 +145,21 @@ def test_metrics_logged_while_the_server_is_down_reach_it_later(tmp_path, server
     assert names == {"instrumentation/step_0000003.json", "instrumentation/step_0000006.json"}
     assert {a.path for a in client.list_artifacts(run.info.run_id, "model")} >= {"model/model.safetensors"}
     assert not [p for p in folder.iterdir() if "pending" in p.name]  # nothing waits any more
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="no file-size limit on this system")
+def test_tags_kept_while_the_server_is_down_survive_a_write_the_disk_refuses(tmp_path):
+    """The tags a tracker keeps while its server is down are rewritten whole at every change; a
+    write the disk refuses (full, here a file-size limit) keeps the previous file and leaves no
+    temporary file in the run folder (one was left behind, .tags_pending.json.<pid>.tmp)."""
+    class DeadServer:
+        def log_batch(self, *args, **kwargs):
+            raise ConnectionError("the tracking server is down")
+
+    tracker = MlflowTracker(DeadServer(), "run", 5.0, resumed=False, pending_dir=tmp_path)
+    tracker.set_tags({"a": "1"})
+    before = (tmp_path / PENDING_TAGS).read_text()
+    with file_size_limit(len(before) + 100), pytest.raises(OSError):
+        tracker.set_tags({"b": "x" * 1000})
+    assert (tmp_path / PENDING_TAGS).read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PENDING_TAGS]
