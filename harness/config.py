@@ -148,7 +148,7 @@ class TrackingConfig:
 class ArchConfig:
     """A model shape generated from a parameter budget and two aspect ratios (paper Fig. 7).
 
-    Read by the `${arch:...}` resolver of harness/sweeps.py; null when a run uses a preset."""
+    Read by the `${arch:...}` resolver of harness/resolvers.py; null when a run uses a preset."""
 
     params: float = 1e6  # non-embedding parameter budget
     d_model_per_layer: float = 45.0  # d_model / L_b
