@@ -53,16 +53,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PFLOPS_DAY = 8.64e19
+PFLOPS_DAY = 1e15 * 86400  # FLOPs in a PFLOP/s-day, the paper's compute unit
 HUBER_DELTA = 1e-3  # the smallest δ, and the first fit's (Besiroglu et al. 2024)
 HUBER_TUNING = 1.345  # δ = 1.345·σ̂ (Huber 1964): 95% of least squares' efficiency under normal noise
 MIN_COMPUTE_FOR_INTERVAL = 4
 FORMS = ("pure", "offset")
-
-
-def to_pflops_days(flops):
-    """FLOPs → PFLOP/s-days."""
-    return np.asarray(flops, dtype=float) / PFLOPS_DAY
 
 
 def variant_seed(seed: int, name: str) -> np.random.Generator:

@@ -8,7 +8,7 @@ from scipy.optimize import minimize
 from analysis import scaling as sc
 from analysis.paper import PAPER_MULTIPLIER_AT, load_paper
 from analysis.scaling import (PowerLaw, compute_multiplier, fit_power_law, fit_shared_exponent,
-                              multiplier_at, to_pflops_days)
+                              multiplier_at)
 
 # A CPU-sized ladder: 6 model sizes over 30x compute, 3 seeds each, in PFLOP/s-days.
 LADDER = np.repeat(np.geomspace(1e-7, 3e-6, 6), 3)
@@ -92,11 +92,6 @@ def test_degenerate_inputs():
     # As many runs as parameters: the law interpolates them, so no interval is claimed.
     exact = fit_power_law([1e-6, 1e-5], [2.0, 1.8], n_boot=100)
     assert exact.n_boot_valid == 0 and np.isnan(exact.ci()["alpha"][0])
-
-
-def test_units():
-    assert to_pflops_days(8.64e19) == pytest.approx(1.0)
-    assert sc.PFLOPS_DAY == 1e15 * 86400
 
 
 def test_shared_alpha_multiplier_is_constant():
