@@ -65,11 +65,15 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BA
 FAILURE_TAGS = ("attnres.failure", "attnres.failure_step")  # set when a run ends other than FINISHED
 
 
+# --------------------------------------------------------------------------------------------
+# Checking a tracking URI before a run uses it
+# --------------------------------------------------------------------------------------------
 class TrackingUnreachable(ValueError):
     """tracking.uri cannot be used: no server answers there, or it is no store (one line)."""
 
 
 SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file", "databricks")
+DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}  # database stores: default ports
 
 
 def check_tracking_uri(uri: str) -> None:
@@ -128,9 +132,6 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tra
             f"{option}{uri}: no MLflow server answers there within {timeout:.0f} s ({reason}); "
             f"allowed: a running server's URI, a sqlite:/// path{allowed}"
         ) from None
-
-
-DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}  # database stores: default ports
 
 
 def redact(url: str) -> str:
@@ -278,7 +279,6 @@ def param_value(value: Any) -> str:
     return text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 3] + "..."
 
 
-# --------------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------------
 # Trackers
 # --------------------------------------------------------------------------------------------

@@ -43,6 +43,9 @@ from optuna.trial import TrialState
 
 from harness import pruning
 from harness.identity import changes_the_run
+# A stopped sweep exits as a stopped training run does: 130 (Ctrl-C), 75 (SIGTERM: requeue me).
+from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT
+from harness.tracking import redact
 
 from . import _summary
 from ._ledger import FAILURE_ATTR, VOID_ATTR, Ledger, failure_budget, is_genuine_failure, rank
@@ -52,12 +55,11 @@ from ._storage import (
     fail_stale_trials,
     heartbeat,
     open_storage,
-    redact,
     resolve_url,
 )
 from ._strategy import describe, grid_size, make_pruner, make_sampler
 from ._tracking import PARENT_ATTR, StudyTracker, end_leftover_runs, last_run_id, resolve_tracking
-from .config import INTERRUPT_EXIT, REQUEUE_EXIT, AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
+from .config import AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from sqlalchemy.exc import (
     ProgrammingError,
 )
 
-from harness.tracking import redact  # noqa: F401  (the password out of logs and tags; _runner uses it)
+from harness.tracking import redact  # the password out of messages and logs
 
 from ._ledger import FAILURE_ATTR, VOID_ATTR
 from .config import SweeperConfigError

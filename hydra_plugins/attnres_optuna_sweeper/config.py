@@ -20,9 +20,6 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
 
-# A stopped sweep exits as a stopped training run does: 130 (Ctrl-C), 75 (SIGTERM: requeue me).
-from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT  # noqa: F401  (no torch there)
-
 SAMPLERS = ("tpe", "gp", "cmaes", "random", "grid")
 PRUNERS = ("median", "successive_halving", "hyperband", "none")
 DIRECTIONS = ("minimize", "maximize")
