@@ -1,6 +1,7 @@
 """Attention Residuals (Kimi Team, 2026) and every residual variant the paper compares.
 
-The core imports torch only (triton for the fused kernels, when present):
+The core needs torch only (triton for the fused kernels, when present; safetensors and mlflow
+are imported by `save_pretrained` / `load` when they are called):
 
     from attnres import BlockAttentionResidual        # the drop-in module
     from attnres import DecoderLM, ModelConfig, ResidualConfig, VARIANTS
