@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from harness.train import Trainer
@@ -66,12 +66,26 @@ def stop_on_signals(stops: StopSignals):
 
 
 @contextmanager
+def on_sigterm(handler: Callable[[int, Any], None]):
+    """SIGTERM calls `handler` inside the block and the previous handler is back after it (main
+    thread only: Python delivers signals there, and elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def requeue_on_sigterm():
     """Before a job holds its run (validation, data loading, taking the run folder) there is
     nothing to checkpoint: SIGTERM ends it at once with exit 75 ("requeue me") instead of the
     default action's 143. Left alone where a handler is already set (the Optuna sweeper's, which
     voids the trial)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
 
@@ -79,8 +93,5 @@ def requeue_on_sigterm():
         print(f"stopped before training (SIGTERM); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
         raise SystemExit(REQUEUE_EXIT)
 
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
+    with on_sigterm(stop):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

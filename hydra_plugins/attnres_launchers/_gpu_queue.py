@@ -19,15 +19,15 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+
+from harness.stopping import on_sigterm
 
 from ._job_side import REQUEUE_EXIT
 
@@ -59,7 +59,7 @@ def run_on_gpus(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
                 del running[i]
 
     try:
-        with _sigterm_raises():
+        with on_sigterm(_raise_terminated):
             for i, overrides in enumerate(job_overrides):
                 reap()
                 while not free:
@@ -116,17 +116,5 @@ def _stop(jobs: list[Any]) -> None:
             job.cancel(check=False)
 
 
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_terminated(signum: int, frame: Any) -> None:
-        raise _Terminated()
-
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()

@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +41,7 @@ from optuna.trial import TrialState
 from harness import pruning
 from harness.identity import changes_the_run
 # A stopped sweep exits as a stopped training run does: 130 (Ctrl-C), 75 (SIGTERM: requeue me).
-from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT
+from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, on_sigterm
 from harness.tracking import redact
 
 from . import _summary
@@ -123,7 +120,7 @@ class SweepRunner:
             redact(storage_url),
         )
         try:
-            with _sigterm_as_interrupt():
+            with on_sigterm(_sigterm_as_interrupt):
                 for cell in plan.cells:
                     self._run_cell(cell, plan, prefix, n_trials, storage, tracker, enqueue)
         except KeyboardInterrupt as interrupt:
@@ -539,18 +536,6 @@ def _sample_value(distribution: Any) -> Any:
     return distribution.low
 
 
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Treat SIGTERM (a scheduler's preemption, `kill`) like Ctrl-C: void the trial and stop."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt("SIGTERM")  # the name a trial's own stop request gives too
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM (a scheduler's preemption, `kill`) is taken as Ctrl-C: void the trial and stop."""
+    raise KeyboardInterrupt("SIGTERM")  # the name a trial's own stop request gives too
