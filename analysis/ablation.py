@@ -213,11 +213,14 @@ def seeds_needed(sigma: float, delta: float, level: float = LEVEL, power: float 
 
 
 def block_size_of(runs: pd.DataFrame) -> pd.Series:
-    """Block size S (sublayers per block) of each run: ``residual.block_size`` when logged, else
-    2·layers / num_blocks; Full AttnRes is S = 1 (paper §3: S = 1 recovers Full)."""
-    S = runs["block_size"].copy()
+    """Block size S (sublayers per block) of each run: 2·layers / num_blocks when
+    ``residual.num_blocks`` is set, else ``residual.block_size``; Full AttnRes is S = 1 (paper §3:
+    S = 1 recovers Full). num_blocks first, as the model resolves them
+    (attnres.residuals.resolve_block_size): block_size is logged for every run, at its default 4
+    when the run set num_blocks instead."""
+    S = runs["block_size"].astype(float)
     derived = 2 * runs["layers"] / runs["num_blocks"]
-    S = S.where(S.notna(), derived)
+    S = derived.where(derived.notna(), S)
     return S.where(runs["variant"] != "full", 1.0)
 
 

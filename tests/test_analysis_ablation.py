@@ -103,3 +103,14 @@ def test_block_size_table_derives_N_when_only_S_is_logged():
     t = abl.block_size_table(runs).set_index("label")
     assert t.loc["1", "N"] == 32 and t.loc["4", "N"] == 8 and t.loc["32", "N"] == 1
     assert np.isnan(t.loc["baseline", "N"])
+
+
+def test_block_size_of_takes_num_blocks_first_as_the_model_does():
+    """A run that set residual.num_blocks still logs block_size at its default 4; the model's S
+    is then 2·layers / num_blocks (attnres.residuals.resolve_block_size), here 32 / 2 = 16."""
+    runs = pd.DataFrame({"variant": ["block", "block", "full"], "block_size": [4, 4, 4],
+                         "layers": [16, 16, 16], "num_blocks": [2, np.nan, np.nan],
+                         "final_val_loss": [1.9, 1.92, 1.95]})
+    assert list(abl.block_size_of(runs)) == [16.0, 4.0, 1.0]
+    t = abl.block_size_table(runs).set_index("label")
+    assert t.loc["16", "N"] == 2 and t.loc["4", "n"] == 1
