@@ -240,8 +240,11 @@ def arch(ours, paper_grid, out, variants=("baseline", "block")) -> list[Path]:
 # --------------------------------------------------------------------------------------------
 # Fig. 5: output magnitude and gradient norm per block
 # --------------------------------------------------------------------------------------------
-def dynamics(profiles: dict[str, dict[str, np.ndarray]], out) -> list[Path]:
-    """``profiles``: variant → {"output_rms": (L_b,), "grad_norm": (L_b,)} (mean over seeds)."""
+def dynamics(profiles: dict[str, dict[str, np.ndarray]], out, boundaries=(),
+             boundary_label: str = "") -> list[Path]:
+    """``profiles``: variant → {"output_rms": (L_b,), "grad_norm": (L_b,)} (mean over seeds).
+    ``boundaries``: where AttnRes blocks start, in Transformer blocks from the first (sublayer
+    k·S is at k·S/2; a half marks a block starting at an MLP), drawn as vertical lines."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, key, title in ((axes[0], "output_rms", "Output magnitude (RMS) per block"),
                            (axes[1], "grad_norm", "Gradient norm per block")):
@@ -253,6 +256,9 @@ def dynamics(profiles: dict[str, dict[str, np.ndarray]], out) -> list[Path]:
                 drawn = True
         if drawn:
             _log(ax, "y")
+            for i, x in enumerate(boundaries):  # points sit at 1, 2, …: block b spans b ± 0.5
+                ax.axvline(x + 0.5, color=color("block"), ls=":", lw=0.8,
+                           label=boundary_label if i == 0 else None)
             ax.xaxis.set_major_locator(mticker.MaxNLocator(integer=True))
             ax.set_xlabel("Transformer block")
             ax.legend(fontsize=7)

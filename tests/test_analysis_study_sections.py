@@ -450,3 +450,117 @@ def test_an_offset_fit_at_its_bound_is_said_to_reduce_to_the_pure_law(tmp_path, 
                          "final_val_loss": floor + 0.1 * C ** -0.15 * noise})
     text = sec.scaling_section(runs, load_paper(), tmp_path, n_boot=20, seed=0, at=None).text
     assert ("E sits at its bound 0 for baseline, block" in text) == said, text
+
+
+def test_block_boundaries_in_transformer_blocks_for_any_block_size():
+    """AttnRes blocks start at sublayers S, 2S, … below L = 2·L_b (the last takes any remainder).
+    A transition b−1 → b of the per-Transformer-block profile crosses a boundary when a block
+    starts at block b's attention (2b = kS) and lies within one when sublayers 2b−2 … 2b+1 share
+    a block; with an odd S a block starting at an MLP leaves the steps around it out."""
+    from analysis.sections.depth import block_starts, block_transitions
+
+    def classes(n, S):
+        return tuple(list(map(int, t)) for t in block_transitions(n, S))
+
+    assert classes(16, 4) == (list(range(2, 16, 2)), list(range(1, 16, 2)))  # the ablation: S | L
+    assert block_starts(8, 6) == [6, 12] and classes(8, 6) == ([3, 6], [1, 2, 4, 5, 7])  # 6 ∤ 16
+    # S = 5 (odd, 5 ∤ 16): blocks start at 5 and 15 (an MLP: Transformer blocks 2 and 7 straddle)
+    # and at 10 (block 5's attention).
+    assert block_starts(8, 5) == [5, 10, 15] and classes(8, 5) == ([5], [1, 4, 6])
+    assert classes(4, 3) == ([3], [])  # S = 3: every other block straddles, nothing within
+    assert classes(8, 2) == (list(range(1, 8)), [])  # S = 2: every step is a boundary
+    assert block_starts(8, 16) == [] and classes(8, 16) == ([], list(range(1, 8)))  # one block
+
+
+def test_boundary_drop_of_a_sawtooth_and_of_smooth_profiles():
+    """float64, to 1e-12: a profile that doubles within each block of S = 4 (two Transformer
+    blocks) and halves across boundaries gives −2·log 2; any geometric profile gives 0."""
+    from analysis.sections.depth import boundary_drop
+
+    assert abs(boundary_drop([1.0, 2.0, 1.0, 2.0, 1.0, 2.0], 4) + 2 * np.log(2)) < 1e-12
+    assert abs(boundary_drop(0.8 ** np.arange(8.0), 4)) < 1e-12
+    assert abs(boundary_drop(1.3 ** np.arange(8.0), 5)) < 1e-12
+    assert np.isnan(boundary_drop([1.0, 2.0, 1.0, 2.0], 2))  # nothing within a block
+    assert np.isnan(boundary_drop([1.0, 2.0, 0.0, 2.0], 4))  # a zero entry it needs
+    # first=1 leaves the step out of entry 0 (the hidden profile's embedding): [·, 1, 2, 4]
+    # keeps b = 2 (boundary, log 2) and b = 3 (within, log 2).
+    assert abs(boundary_drop([1e-3, 1.0, 2.0, 4.0], 4, first=1)) < 1e-12
+
+
+def _reset_runs(block_profile, baseline_profile, seeds=3, block_size=4, layers=8, variant="block"):
+    """Block and baseline runs whose per-block output RMS is the given profile times a seeded
+    log-normal wobble (σ = 0.05 per entry)."""
+    rng = np.random.default_rng(0)
+    rows, inst = [], {}
+    for v, prof in ((variant, block_profile), ("baseline", baseline_profile)):
+        for s in range(seeds):
+            rid = f"{v}{s}"
+            rows.append({"run_id": rid, "variant": v, "seed": s, "block_size": block_size,
+                         "num_blocks": np.nan, "layers": layers})
+            out = np.asarray(prof, float) * np.exp(0.05 * rng.standard_normal(len(prof)))
+            inst[rid] = {"output_rms_block": list(out), "grad_norm_block": [1.0] * len(prof),
+                         "hidden_rms_block": [0.03] + [1.0] * (len(prof) - 1)}
+    return pd.DataFrame(rows), inst
+
+
+def _reset_claim(section):
+    return next(c for c in section.claims if c.claim.startswith("Output magnitude resets at block"))
+
+
+def test_a_profile_that_resets_at_block_boundaries_agrees(tmp_path):
+    """Block's output RMS rising within each block of S = 4 (two Transformer blocks) and falling
+    back at each boundary, against a smoothly falling baseline: the paper's reset, *agrees*, with
+    Welch's p on the per-run boundary drops; the figure marks the boundaries."""
+    import analysis.figures as figs
+
+    drawn = {}
+    original = figs.dynamics
+
+    def spy(profiles, out, **kw):
+        drawn.update(kw)
+        return original(profiles, out, **kw)
+
+    saw = [0.3, 0.6, 0.3, 0.6, 0.3, 0.6, 0.3, 0.6]
+    runs, inst = _reset_runs(saw, 0.8 ** np.arange(8.0))
+    figs.dynamics = spy
+    try:
+        section = sec.dynamics_section(runs, inst, tmp_path)
+    finally:
+        figs.dynamics = original
+    claim = _reset_claim(section)
+    assert claim.verdict == "agrees", claim
+    assert "S = 4: 3 boundary and 4 within-block transitions" in claim.ours
+    table = pd.read_csv(tmp_path / "tables" / "fig5_dynamics.csv").set_index("variant")
+    assert table.loc["block", "boundary_drop"] < -1 and abs(table.loc["baseline", "boundary_drop"]) < 0.2
+    assert table.loc["block", "S"] == 4
+    assert drawn["boundaries"] == [2.0, 4.0, 6.0]  # sublayers 4, 8, 12 = Transformer blocks 2, 4, 6
+
+
+@pytest.mark.parametrize("block_profile", [1.2 ** np.arange(8.0), 0.8 ** np.arange(8.0)])
+def test_a_smooth_profile_does_not_agree_that_it_resets(tmp_path, block_profile):
+    """A smooth geometric profile (growing or falling) has no step at the boundaries: the claim
+    is not *agrees*."""
+    runs, inst = _reset_runs(block_profile, 0.8 ** np.arange(8.0))
+    claim = _reset_claim(sec.dynamics_section(runs, inst, tmp_path))
+    assert claim.verdict in ("inconclusive", "does not agree") and np.isfinite(claim.p)
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(block_size=16), "one block, no boundary inside the model"),
+    (dict(block_size=3, layers=4), "no Transformer-block transition lies within one block"),
+    (dict(seeds=1), "1 Block and 1 baseline runs"),
+    (dict(variant="block_multihead"), "no Block AttnRes runs"),
+])
+def test_the_reset_is_not_tested_when_the_runs_cannot_show_it(tmp_path, change, why):
+    """One block (S = L), an S with no step within a block, one run a side, no Block runs: *not
+    tested*, and the claim says why; no p-value enters Holm's family."""
+    layers = change.get("layers", 8)
+    runs, inst = _reset_runs([0.3, 0.6] * (layers // 2), 0.8 ** np.arange(float(layers)), **change)
+    claim = _reset_claim(sec.dynamics_section(runs, inst, tmp_path))
+    assert claim.verdict == "not tested" and why in claim.ours and np.isnan(claim.p)
+
+
+def test_the_reset_is_not_tested_without_instrumentation(tmp_path):
+    runs, _ = _reset_runs([0.3, 0.6] * 4, 0.8 ** np.arange(8.0))
+    claim = _reset_claim(sec.dynamics_section(runs, {}, tmp_path))
+    assert claim.verdict == "not tested" and claim.ours == "no instrumentation"

@@ -25,6 +25,62 @@ def _run_profile(rid, instrumentation, runs, key):
     return vals if len(vals) else None
 
 
+# Variants whose depth sources are block sums (sources="block" in attnres/residuals/__init__.py);
+# named here because analysis reads runs, not the model.
+BLOCK_FAMILY = ("block", "block_multihead", "block_no_rmsnorm")
+
+
+def block_starts(n_blocks: int, S: int) -> list[int]:
+    """First sublayer of every AttnRes block after the first, for a model of ``n_blocks``
+    Transformer blocks (L = 2·n_blocks sublayers) and S sublayers per AttnRes block; the last
+    block takes any remainder (the model's rule), so the starts are S, 2S, … below L. The
+    embedding is a source of its own (b_0), not a block: nothing starts before sublayer 0."""
+    return list(range(S, 2 * n_blocks, S))
+
+
+def block_transitions(n_blocks: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """Transitions b−1 → b (b = 1 … n_blocks−1) of a per-Transformer-block profile that cross an
+    AttnRes block boundary, and those that lie within one AttnRes block.
+
+    Transformer block b holds sublayers 2b (attention) and 2b+1 (MLP). A transition crosses a
+    boundary when an AttnRes block starts exactly at block b (2b = kS); it lies within one when
+    all four sublayers 2b−2 … 2b+1 share an AttnRes block. When S is odd some blocks start at an
+    MLP (2b±1 = kS): the Transformer block around it writes into two AttnRes blocks, so the
+    transitions into and out of it are neither and are left out. S = 1 or 2 leaves no transition
+    within a block, S = 3 none either (every other block straddles a boundary)."""
+    starts = set(block_starts(n_blocks, S))
+    b = np.arange(1, n_blocks)
+    boundary = np.array([i for i in b if 2 * i in starts], int)
+    within = np.array([i for i in b if not {2 * i - 1, 2 * i, 2 * i + 1} & starts], int)
+    return boundary, within
+
+
+def boundary_drop(profile, S: int, first: int = 0) -> float:
+    """Mean log(p[b]/p[b−1]) over the transitions that cross an AttnRes block boundary minus the
+    mean over those within a block (:func:`block_transitions`), using entries from ``first`` on.
+    A profile that resets at the boundaries (rising within blocks, falling across) gives a clearly
+    negative number; one that changes smoothly with depth, whatever its trend, about 0. NaN when
+    either kind of transition is missing or an entry it needs is not positive and finite."""
+    p = np.asarray(profile, float)
+    boundary, within = block_transitions(len(p), int(S))
+    boundary, within = boundary[boundary > first], within[within > first]
+    if not len(boundary) or not len(within):
+        return np.nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        step = np.log(p[1:] / p[:-1])  # step[b − 1]: the transition b − 1 → b
+    d = step[boundary - 1].mean() - step[within - 1].mean()
+    return float(d) if np.isfinite(d) else np.nan
+
+
+def _block_sizes(runs: pd.DataFrame) -> pd.Series:
+    """S per run (index: run_id) for the block family, NaN for other variants or when the runs do
+    not record block_size / num_blocks / layers."""
+    cols = {c: runs[c] if c in runs else np.nan for c in ("block_size", "num_blocks", "layers")}
+    S = abl.block_size_of(runs.assign(**cols)).astype(float)
+    S = S.where(runs["variant"].isin(BLOCK_FAMILY))
+    return pd.Series(S.to_numpy(), index=runs["run_id"].to_numpy())
+
+
 def _mean_profile(profiles):
     profiles = [p for p in profiles if p is not None]
     if not profiles:
@@ -33,12 +89,75 @@ def _mean_profile(profiles):
     return np.mean([p[:n] for p in profiles], axis=0)
 
 
+RESET_CLAIM = ("Output magnitude resets at block boundaries with block (falls across a boundary "
+               "relative to within a block)")
+
+
+def _reset_claim(runs: pd.DataFrame, S_of: pd.Series, drops: dict) -> Claim:
+    """The paper's "bounded and periodic, resetting at block boundaries" for Block AttnRes: its
+    runs' boundary_drop of the output RMS against the baseline's at the same positions (Welch),
+    or *not tested* with the reason the runs cannot speak to it."""
+    def untested(why):
+        return Claim(RESET_CLAIM, why, "not tested")
+
+    block = runs[runs["variant"] == "block"]
+    if block.empty:
+        return untested("no Block AttnRes runs")
+    sizes = sorted({int(x) for x in S_of[block["run_id"]] if np.isfinite(x)})
+    if not sizes:
+        return untested("the Block runs record no block_size / num_blocks and layers")
+    if len(sizes) > 1:
+        return untested(f"the Block runs differ in S ({', '.join(map(str, sizes))}): no one set of "
+                        "boundary positions")
+    S, n = sizes[0], _transformer_blocks(block)
+    if n is not None and S >= 2 * n:
+        return untested(f"S = {S} at {2 * n} sublayers: one block, no boundary inside the model")
+    if n is not None and not all(map(len, block_transitions(n, S))):
+        return untested(f"S = {S}: no Transformer-block transition lies within one block")
+    a, b = (np.asarray(drops.get(v, ([], []))[0], float) for v in ("block", "baseline"))
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if not (runs["variant"] == "baseline").any():
+        return untested("no baseline runs to give the null at the same positions")
+    if len(a) < 2 or len(b) < 2:
+        return untested(f"{len(a)} Block and {len(b)} baseline runs with a per-block output RMS "
+                        "profile; the interval needs 2 on each side")
+    d, h = abl.welch_interval(a, b)
+    nb, nw = (len(t) for t in block_transitions(n, S)) if n is not None else ("?", "?")
+    return Claim(RESET_CLAIM, f"boundary drop {b.mean():.3g} (baseline, at Block's boundaries) vs "
+                 f"{a.mean():.3g}; Δ = {_f(d, 3)} ± {_f(h, 3)}; S = {S}: {nb} boundary and {nw} "
+                 "within-block transitions", _verdict(d - h, d + h), abl.welch_p(a, b))
+
+
+def _transformer_blocks(g: pd.DataFrame):
+    """The runs' number of Transformer blocks L_b when they share one, else None."""
+    if "layers" not in g:
+        return None
+    n = {int(x) for x in g["layers"] if np.isfinite(x)}
+    return n.pop() if len(n) == 1 else None
+
+
+def _drop(p, S, layers, first=0) -> float:
+    """boundary_drop of one run's profile, NaN without a profile of the run's depth or an S."""
+    if p is None or S is None or not np.isfinite(S) or len(p) < 2:
+        return np.nan
+    if layers is not None and np.isfinite(layers) and len(p) != int(layers):
+        return np.nan  # e.g. a metrics fallback with a block missing: positions would shift
+    return boundary_drop(p, int(S), first)
+
+
 def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Section:
-    """Per run: growth of the output RMS from the first block to the last, and the spread
-    (max/min) of per-block gradient norms. Variants are compared on these per-run numbers with a
-    Welch interval, so seeds give the verdict its uncertainty."""
+    """Per run: growth of the output RMS from the first block to the last, the spread (max/min)
+    of per-block gradient norms, and for the block family (BLOCK_FAMILY) how much the output RMS
+    falls across AttnRes block boundaries relative to within blocks (:func:`boundary_drop`; the
+    baseline's at the same positions is the null). Variants are compared on these per-run numbers
+    with a Welch interval, so seeds give the verdict its uncertainty."""
     title = "Training dynamics (paper Fig. 5)"
-    profiles, rows, per_run = {}, [], {}
+    profiles, rows, per_run, drops = {}, [], {}, {}
+    S_of = _block_sizes(runs)
+    block_S = {int(x) for x in S_of[runs.loc[runs["variant"] == "block", "run_id"]] if np.isfinite(x)}
+    null_S = block_S.pop() if len(block_S) == 1 else np.nan  # the baseline at Block's positions
+    layers = (runs.set_index("run_id")["layers"].astype(float) if "layers" in runs
+              else pd.Series(np.nan, index=runs["run_id"].to_numpy()))
     for v, g in runs.groupby("variant"):
         o = [_run_profile(r, instrumentation, runs, "output_rms") for r in g["run_id"]]
         gr = [_run_profile(r, instrumentation, runs, "grad_norm") for r in g["run_id"]]
@@ -52,21 +171,37 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
         # the depth read for AttnRes variants; the output RMS above is what the blocks write.
         hidden = [np.asarray(instrumentation.get(r, {}).get("hidden_rms_block") or [], float)
                   for r in g["run_id"]]
+        S = [S_of[r] if v in BLOCK_FAMILY else null_S if v == "baseline" else np.nan
+             for r in g["run_id"]]
+        # The hidden profile's first entry is the embedding (source b_0, not a block's), the same
+        # for every variant: its step into the first block is left out.
+        drops[v] = (np.array([_drop(p, s, layers[r]) for p, s, r in zip(o, S, g["run_id"])]),
+                    np.array([_drop(h if len(h) else None, s, layers[r], first=1)
+                              for h, s, r in zip(hidden, S, g["run_id"])]))
         hidden = np.array([h[-1] / h[0] for h in hidden if len(h) > 1 and np.isfinite(h).all() and h[0] > 0])
         mo = profiles[v]["output_rms"]
         rows.append({"variant": v, "runs": len(g), "blocks": len(mo) if mo is not None else np.nan,
                      "rms_growth": growth.mean() if len(growth) else np.nan,
                      "hidden_growth": hidden.mean() if len(hidden) else np.nan,
-                     "grad_max_over_min": spread.mean() if len(spread) else np.nan})
-    files = figures.dynamics(profiles, out / "figures")
+                     "grad_max_over_min": spread.mean() if len(spread) else np.nan,
+                     "S": _same_or_range(S_of[g["run_id"]]) if v in BLOCK_FAMILY else np.nan,
+                     "boundary_drop": _nanmean(drops[v][0]),
+                     "hidden_boundary_drop": _nanmean(drops[v][1])})
+    n_fig = _transformer_blocks(runs[runs["variant"] == "block"])
+    starts = block_starts(n_fig, int(null_S)) if n_fig and np.isfinite(null_S) else []
+    files = figures.dynamics(profiles, out / "figures", boundaries=[k / 2 for k in starts],
+                             boundary_label=f"Block AttnRes boundaries (S = {null_S:.0f})")
     if not rows:
         return Section(title, "No instrumentation (depth/* metrics or instrumentation artifacts) "
                        "in these runs.\n\n", [Claim("Output magnitude grows with depth for the "
                                                     "baseline, stays bounded with Block AttnRes",
-                                                    "no instrumentation", "not tested")], files)
+                                                    "no instrumentation", "not tested"),
+                                              Claim(RESET_CLAIM, "no instrumentation", "not tested")],
+                       files)
     t = pd.DataFrame(rows)
-    if t["hidden_growth"].isna().all():
-        t = t.drop(columns="hidden_growth")
+    for c in ("hidden_growth", "S", "boundary_drop", "hidden_boundary_drop"):
+        if t[c].map(lambda x: isinstance(x, float) and not np.isfinite(x)).all():
+            t = t.drop(columns=c)
     files += _write(t, out, "fig5_dynamics")
     text = _md(t)
     text += ("\nrms_growth: output RMS of the last block over the first (RMS of what the block's "
@@ -80,6 +215,24 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
                  "what PreNorm dilution is about; for the other variants what their residual "
                  "hands the block's first sublayer (for AttnRes, the depth read; "
                  "`docs/RUN_SCHEMA.md`). Shown, not judged.")
+    if "boundary_drop" in t:
+        text += (" S: sublayers per AttnRes block of the block family (block, block_multihead, "
+                 "block_no_rmsnorm); the paper's claim is about Block AttnRes, so only block is "
+                 "judged. boundary_drop: per run, the mean log-ratio of the output RMS of "
+                 "consecutive Transformer blocks over the steps that cross an AttnRes block "
+                 "boundary, minus that over the steps within a block (negative: the magnitude "
+                 "falls at boundaries, the paper's reset; about 0 for a profile without them). "
+                 "A boundary crosses a step when a block starts at a Transformer block's attention "
+                 "sublayer; with an odd S some start at an MLP, and the steps into and out of that "
+                 "Transformer block are left out. The baseline's row is at block's positions, the "
+                 "null the claim compares with; the figure's vertical lines mark them. The "
+                 "claim is tested on the output RMS, what the blocks write: the quantity of the "
+                 "paper's figure (\"output magnitude per Transformer block\") and of this "
+                 "section's other claims.")
+        if "hidden_boundary_drop" in t:
+            text += (" hidden_boundary_drop: the same on the state entering each block (the embedding's "
+                     "step into the first block left out), where the restart of the partial "
+                     "block sum acts on what a block reads. Shown, not judged.")
     text += "\n\n"
     claims = []
     if "baseline" in per_run:  # the paper's premise, tested on its own: growth above 1
@@ -99,7 +252,14 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
                 claims.append(Claim(what, f"{stat} {b:.3g} (baseline) vs {a:.3g}; "
                                     f"Δ = {_f(d, 3)} ± {_f(h, 3)}", _verdict(d - h, d + h),
                                     abl.welch_p(per_run[v][i], per_run["baseline"][i])))
+    claims.append(_reset_claim(runs, S_of, drops))
     return Section(title, text + _img(files, out, "Fig. 5"), claims, files)
+
+
+def _nanmean(x) -> float:
+    x = np.asarray(x, float)
+    x = x[np.isfinite(x)]
+    return float(x.mean()) if len(x) else np.nan
 
 
 def _diagonal(W) -> dict:
