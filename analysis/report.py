@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import ablation as abl
+from .significance import holm
 from . import sections as sec
 from .paper import load_paper
 from .runs import RunSet
@@ -177,7 +178,7 @@ def _summary(sections) -> str:
     # family-wise adjustment over every tested check that has one (bootstrap intervals and counts
     # have none and are not in the family).
     p = pd.Series([c.p if c.verdict != "not tested" else float("nan") for _, c in rows], dtype=float)
-    adj = abl.holm(p.to_numpy())
+    adj = holm(p.to_numpy())
     df.insert(3, "p (Holm)", [f"{x:.2g} ({a:.2g})" if pd.notna(x) else "–" for x, a in zip(p, adj)])
     n = df["Verdict"].value_counts()
     head = (f"Of {len(df)} checks, {n.get('agrees', 0)} agree with the paper, "

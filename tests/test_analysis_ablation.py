@@ -8,20 +8,21 @@ from scipy import stats
 
 from analysis import ablation as abl
 from analysis.paper import TABLE4_ORDER, load_paper
+from analysis.significance import holm, t_interval, welch_interval
 
 
 def test_t_interval_matches_scipy():
     v = np.array([1.80, 1.83, 1.79, 1.81])
-    mean, half, n = abl.t_interval(v)
+    mean, half, n = t_interval(v)
     lo, hi = stats.t.interval(0.95, len(v) - 1, loc=v.mean(), scale=stats.sem(v))
     assert (mean - half, mean + half) == pytest.approx((lo, hi), rel=1e-12)
     assert n == 4
-    assert np.isnan(abl.t_interval([1.8])[1])  # one seed: no interval, not zero width
+    assert np.isnan(t_interval([1.8])[1])  # one seed: no interval, not zero width
 
 
 def test_welch_interval_matches_scipy():
     a, b = np.array([1.70, 1.72, 1.71]), np.array([1.76, 1.80, 1.77, 1.75])
-    d, h = abl.welch_interval(a, b)
+    d, h = welch_interval(a, b)
     ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
     assert (d - h, d + h) == pytest.approx((ci.low, ci.high), rel=1e-10)
 
@@ -29,8 +30,8 @@ def test_welch_interval_matches_scipy():
 def test_holm_adjustment_by_hand():
     """Holm (1979) on [0.01, 0.04, 0.03, NaN]: sorted 0.01·3, 0.03·2, 0.04·1 = 0.03, 0.06, 0.04,
     made monotone: 0.03, 0.06, 0.06; NaN is not one of the m tests."""
-    np.testing.assert_allclose(abl.holm([0.01, 0.04, 0.03, np.nan]), [0.03, 0.06, 0.06, np.nan], rtol=1e-12)
-    np.testing.assert_allclose(abl.holm([0.6, 0.9]), [1.0, 1.0])  # capped at 1
+    np.testing.assert_allclose(holm([0.01, 0.04, 0.03, np.nan]), [0.03, 0.06, 0.06, np.nan], rtol=1e-12)
+    np.testing.assert_allclose(holm([0.6, 0.9]), [1.0, 1.0])  # capped at 1
 
 
 def test_table_p_values_are_welch_and_holm_over_the_variants():
@@ -41,7 +42,7 @@ def test_table_p_values_are_welch_and_holm_over_the_variants():
     assert np.isnan(t.loc["baseline", "p"]) and np.isnan(t.loc["baseline", "p_holm"])
     p_full = stats.ttest_ind([1.70, 1.72, 1.71], [1.80, 1.82, 1.81], equal_var=False).pvalue
     assert t.loc["full", "p"] == pytest.approx(p_full, rel=1e-12)
-    np.testing.assert_allclose(t.loc[["full", "block"], "p_holm"], abl.holm(t.loc[["full", "block"], "p"]), rtol=1e-12)
+    np.testing.assert_allclose(t.loc[["full", "block"], "p_holm"], holm(t.loc[["full", "block"], "p"]), rtol=1e-12)
     assert t.loc["full", "p_holm"] == pytest.approx(2 * p_full, rel=1e-12)  # the smaller of 2 tests
 
 

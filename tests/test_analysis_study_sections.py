@@ -8,21 +8,22 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from analysis import ablation as abl
 from analysis import sections as sec
+from analysis.sections.scaling import _block_count_note
+from analysis.significance import holm, pooled_seed_sd, seeds_needed, t_interval, t_test_power
 
 
 def test_seeds_needed_matches_textbook_t_test_sample_sizes():
     # Two-sided two-sample t test, α = 0.05, power 0.8 (Cohen 1988; G*Power): d = 0.8, 0.5, 0.2
     # need 26, 64, 394 per group. The normal approximation gives 25, 63, 393.
-    assert abl.seeds_needed(1.0, 0.8) == 26
-    assert abl.seeds_needed(0.02, 0.01) == 64
-    assert abl.seeds_needed(1.0, 0.2) == 394
-    assert abl.seeds_needed(0.02, -0.01) == 64  # the sign of Δ does not matter
-    assert abl.seeds_needed(0.001, 1.0) == 2  # never fewer than 2
-    assert np.isnan(abl.seeds_needed(0.01, 0.0)) and np.isnan(abl.seeds_needed(np.nan, 0.1))
+    assert seeds_needed(1.0, 0.8) == 26
+    assert seeds_needed(0.02, 0.01) == 64
+    assert seeds_needed(1.0, 0.2) == 394
+    assert seeds_needed(0.02, -0.01) == 64  # the sign of Δ does not matter
+    assert seeds_needed(0.001, 1.0) == 2  # never fewer than 2
+    assert np.isnan(seeds_needed(0.01, 0.0)) and np.isnan(seeds_needed(np.nan, 0.1))
     # t_test_power is the noncentral-t power the search inverts: at n it clears 0.8, at n−1 not.
-    assert abl.t_test_power(64, 0.5) >= 0.8 > abl.t_test_power(63, 0.5)
+    assert t_test_power(64, 0.5) >= 0.8 > t_test_power(63, 0.5)
 
 
 def _simulated_power(n, sigma, delta, welch, trials=20_000, seed=0):
@@ -40,7 +41,7 @@ def test_seeds_needed_gives_the_power_it_promises_in_simulation(delta, expected)
     ≥ 0.02). The normal approximation answered 3, 2 and 5, where Welch's test has 48%, 13% and
     75% power."""
     sigma = 0.0597
-    n = int(abl.seeds_needed(sigma, delta))
+    n = int(seeds_needed(sigma, delta))
     assert n == expected
     for welch in (False, True):  # the pooled t the sizing assumes, and the report's Welch test
         assert _simulated_power(n, sigma, delta, welch) >= 0.8 - 0.01
@@ -50,7 +51,7 @@ def test_seeds_needed_gives_the_power_it_promises_in_simulation(delta, expected)
 def test_pooled_seed_sd_pools_within_variant_scatter_only():
     runs = pd.DataFrame({"variant": ["a", "a", "a", "b", "b", "c"],
                          "final_val_loss": [1.0, 1.2, 1.4, 5.0, 5.4, 9.0]})
-    sigma, dof = abl.pooled_seed_sd(runs)
+    sigma, dof = pooled_seed_sd(runs)
     # a: SS = 0.08, 2 dof; b: SS = 0.08, 1 dof; c: one seed, ignored. √(0.16/3)
     assert dof == 3
     assert sigma == pytest.approx(np.sqrt(0.16 / 3), rel=1e-12)
@@ -184,7 +185,7 @@ def test_depth_section_takes_the_interval_over_runs_not_over_the_readers_of_one_
     section = sec.depth_section(runs, ins, tmp_path)
     t = pd.read_csv(tmp_path / "tables" / "fig8_depth_weights.csv").set_index("variant")
     for v, es in (("block", [0.04, -0.03, 0.002]), ("full", [0.05, 0.06, 0.055])):
-        m, h, _ = abl.t_interval(es)
+        m, h, _ = t_interval(es)
         assert t.loc[v, "runs"] == 3 and t.loc[v, "figure_run"] == f"{v}0"
         assert t.loc[v, "excess"] == pytest.approx(m, abs=1e-6)  # CSV keeps 6 significant digits
         assert t.loc[v, "excess_ci"] == pytest.approx(h, rel=1e-4)
@@ -303,10 +304,10 @@ def test_scaling_notes_how_many_blocks_its_block_runs_had():
     points are not the paper's Block."""
     shallow = pd.DataFrame({"variant": ["block", "block", "baseline"], "layers": [2, 4, 2],
                             "block_size": [4, 4, 4], "num_blocks": [np.nan] * 3})
-    note = sec._block_count_note(shallow)
+    note = _block_count_note(shallow)
     assert note.startswith("Block AttnRes runs here have N = 1, 2 blocks") and "not the paper's Block" in note
     deep = shallow.assign(layers=[16, 12, 16], block_size=[4, 3, 4])
-    assert sec._block_count_note(deep) == "Block AttnRes runs here have N = 8 blocks.\n\n"
+    assert _block_count_note(deep) == "Block AttnRes runs here have N = 8 blocks.\n\n"
 
 
 def test_the_fig8_share_of_rows_reading_their_predecessor_most():
@@ -337,7 +338,7 @@ def test_summary_gives_each_verdicts_p_value_with_holms_adjustment():
     claims = [Claim(f"claim {i}", "ours", v, p) for i, (v, p) in enumerate(zip(verdicts, ps))]
     claims += [Claim("no test", "ours", "inconclusive"), Claim("skipped", "ours", "not tested", 0.001)]
     text = _summary([Section("S", "", claims)])
-    adjusted = abl.holm(np.array(ps))
+    adjusted = holm(np.array(ps))
     rows = [line for line in text.splitlines() if line.startswith("| S |")]
     for i, (p, a) in enumerate(zip(ps, adjusted)):
         assert rows[i].endswith(f"| {p:.2g} ({a:.2g}) | {verdicts[i]} |"), rows[i]  # before the verdict

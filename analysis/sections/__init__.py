@@ -6,9 +6,9 @@ from .architecture import arch_section
 from .curves import curves_section
 from .depth import depth_section, dynamics_section
 from .probe import multihop_section
-from .scaling import _block_count_note, scaling_section
+from .scaling import scaling_section
 from .section import Claim, Section
 
 __all__ = ["Claim", "Section", "ablation_section", "arch_section", "block_size_section",
            "curves_section", "depth_section", "dynamics_section", "multihop_section",
-           "scaling_section", "tuned_lr_section", "_block_count_note"]
+           "scaling_section", "tuned_lr_section"]

@@ -9,6 +9,7 @@ import pandas as pd
 from scipy import stats
 
 from .. import ablation as abl
+from ..significance import pooled_seed_sd, seeds_needed, welch_interval, welch_p
 from .. import figures
 from ..paper import Paper
 from .section import Claim, Section, _f, _img, _md, _verdict, _write
@@ -36,13 +37,13 @@ def ablation_section(runs: pd.DataFrame, paper: Paper, out: Path, note: str = ""
                                 f"Δ = {_f(d)} ± {_f(h)}", _verdict(d - h, d + h), t.loc[v, "p"]))
     if {"full", "block"} <= set(t.index):
         fr, br = runs[runs["variant"] == "full"], runs[runs["variant"] == "block"]
-        d, h = abl.welch_interval(fr["final_val_loss"], br["final_val_loss"])
+        d, h = welch_interval(fr["final_val_loss"], br["final_val_loss"])
         pl = paper.table4_loss()
         quoted = (f" (paper {pl['full']:.3f} vs {pl['block']:.3f})"
                   if {"full", "block"} <= set(pl) else "")  # read from results/paper, not typed in
         claims.append(Claim(f"Full AttnRes ≤ Block AttnRes{quoted}",
                             f"Full − Block = {_f(d)} ± {_f(h)}", _verdict(d - h, d + h),
-                            abl.welch_p(fr["final_val_loss"], br["final_val_loss"])))
+                            welch_p(fr["final_val_loss"], br["final_val_loss"])))
     if np.isfinite(res.tau):
         v = ("agrees" if res.tau > 0 and res.p_value < 0.05 else
              "does not agree" if res.tau < 0 and res.p_value < 0.05 else "inconclusive")
@@ -76,7 +77,7 @@ def ablation_section(runs: pd.DataFrame, paper: Paper, out: Path, note: str = ""
 def _what_it_would_take(runs: pd.DataFrame, t: pd.DataFrame) -> str:
     """How many seeds the paper's effect sizes would need at our noise level: the plain answer to
     "would more runs of this size settle it, or is a larger scale needed?"."""
-    sigma, dof = abl.pooled_seed_sd(runs)
+    sigma, dof = pooled_seed_sd(runs)
     if not np.isfinite(sigma) or "baseline" not in t.index:
         return ""
     lines = [f"**What it would take to tell.** Seed-to-seed noise at this scale: σ = {sigma:.4f} "
@@ -89,8 +90,8 @@ def _what_it_would_take(runs: pd.DataFrame, t: pd.DataFrame) -> str:
             continue
         ours, paper_d = t.loc[v, "delta"], t.loc[v, "paper_delta"]
         rows.append({"variant": v, "Δ ours": _f(ours), "seeds for our Δ": _f(
-            abl.seeds_needed(sigma, ours), 0), "Δ paper": _f(paper_d, 3),
-            "seeds for the paper's Δ": _f(abl.seeds_needed(sigma, paper_d), 0)})
+            seeds_needed(sigma, ours), 0), "Δ paper": _f(paper_d, 3),
+            "seeds for the paper's Δ": _f(seeds_needed(sigma, paper_d), 0)})
     lines.append(abl.to_markdown(pd.DataFrame(rows)))
     lines.append("\nA variant whose own Δ needs far more seeds than we ran is a tie at this scale, "
                  "not evidence against the paper. The paper's Δs were measured with millions of times "
@@ -124,7 +125,7 @@ def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, 
                      "at_edge": best["lr"] in (g["lr"].min(), g["lr"].max()),
                      "loss": best["final_val_loss"], "paper_loss": paper_loss.get(v, np.nan)})
     table = pd.DataFrame(rows)
-    sigma, dof = abl.pooled_seed_sd(ablation)
+    sigma, dof = pooled_seed_sd(ablation)
     half = (stats.t.ppf(0.975, dof) * sigma * np.sqrt(2)) if dof else np.nan
     base = table.set_index("variant")["loss"].get("baseline", np.nan)
     table["delta"] = table["loss"] - base
@@ -200,7 +201,7 @@ def block_size_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
     if len(base):
         below = []
         for S, g in attn.groupby("S"):
-            d, h = abl.welch_interval(g["final_val_loss"], base)
+            d, h = welch_interval(g["final_val_loss"], base)
             below.append((S, _verdict(d - h, d + h)))
         n_ok = sum(v == "agrees" for _, v in below)
         n_bad = sum(v == "does not agree" for _, v in below)

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from .. import ablation as abl
+from ..significance import t_interval, t_p, welch_interval, welch_p
 from .. import figures
 from .section import Claim, Section, _f, _img, _md, _verdict, _write
 
@@ -121,11 +122,11 @@ def _reset_claim(runs: pd.DataFrame, S_of: pd.Series, drops: dict) -> Claim:
     if len(a) < 2 or len(b) < 2:
         return untested(f"{len(a)} Block and {len(b)} baseline runs with a per-block output RMS "
                         "profile; the interval needs 2 on each side")
-    d, h = abl.welch_interval(a, b)
+    d, h = welch_interval(a, b)
     nb, nw = (len(t) for t in block_transitions(n, S)) if n is not None else ("?", "?")
     return Claim(RESET_CLAIM, f"boundary drop {b.mean():.3g} (baseline, at Block's boundaries) vs "
                  f"{a.mean():.3g}; Δ = {_f(d, 3)} ± {_f(h, 3)}; S = {S}: {nb} boundary and {nw} "
-                 "within-block transitions", _verdict(d - h, d + h), abl.welch_p(a, b))
+                 "within-block transitions", _verdict(d - h, d + h), welch_p(a, b))
 
 
 def _transformer_blocks(g: pd.DataFrame):
@@ -236,22 +237,22 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
     text += "\n\n"
     claims = []
     if "baseline" in per_run:  # the paper's premise, tested on its own: growth above 1
-        m, h, n = abl.t_interval(per_run["baseline"][0])
+        m, h, n = t_interval(per_run["baseline"][0])
         claims.append(Claim("Output magnitude grows with depth for the baseline (PreNorm dilution)",
                             f"growth {_f(m, 3)} ± {_f(h, 3)} over {n} runs (1 = no growth)",
                             _verdict(m - 1 - h, m - 1 + h, better_is_negative=False),
-                            abl.t_p(per_run["baseline"][0], 1.0)))
+                            t_p(per_run["baseline"][0], 1.0)))
     for v in ("block", "full"):
         if {"baseline", v} <= set(per_run):
             for i, (what, stat) in enumerate((
                     (f"Output magnitude grows less with depth with {v} than with the baseline",
                      "growth"),
                     (f"Gradient norms are more uniform across blocks with {v}", "max/min"))):
-                d, h = abl.welch_interval(per_run[v][i], per_run["baseline"][i])
+                d, h = welch_interval(per_run[v][i], per_run["baseline"][i])
                 b, a = per_run["baseline"][i].mean(), per_run[v][i].mean()
                 claims.append(Claim(what, f"{stat} {b:.3g} (baseline) vs {a:.3g}; "
                                     f"Δ = {_f(d, 3)} ± {_f(h, 3)}", _verdict(d - h, d + h),
-                                    abl.welch_p(per_run[v][i], per_run["baseline"][i])))
+                                    welch_p(per_run[v][i], per_run["baseline"][i])))
     claims.append(_reset_claim(runs, S_of, drops))
     return Section(title, text + _img(files, out, "Fig. 5"), claims, files)
 
@@ -313,7 +314,7 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
         if not per_run:
             continue
         d = pd.DataFrame(per_run)
-        m, h, n = abl.t_interval(d["excess"])
+        m, h, n = t_interval(d["excess"])
         rows.append({"variant": v, "runs": n, "figure_run": d["run_id"].iloc[0],
                      "step": _same_or_range(d["step"]), "readers": _same_or_range(d["readers"]),
                      "embedding_weight": float(d["embedding_weight"].mean()),
@@ -354,5 +355,5 @@ def depth_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Secti
                                 + spread + f"; the recent source is the largest in "
                                 f"{100 * r['recent_is_largest']:.0f}% of sublayer rows",
                                 _verdict(lo, hi, better_is_negative=False),
-                                abl.t_p(excess[r["variant"]])))
+                                t_p(excess[r["variant"]])))
     return Section(title, text + _img(files, out, "Fig. 8"), claims, files)

@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 
 from .. import ablation as abl
+from ..significance import t_interval, welch_interval, welch_p
 from .. import figures
 from .section import Claim, Section, _f, _img, _verdict, _write
 
@@ -37,9 +38,9 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
         g = runs[runs["variant"] == v]
         row = {"variant": v, "runs": len(g)}
         for k, c in hops:
-            m, h, _ = abl.t_interval(g[c])
+            m, h, _ = t_interval(g[c])
             row[f"hop {k}"], row[f"hop {k} ±"] = m, h
-        row["mean"], row["mean ±"], _ = abl.t_interval(g["probe_mean"])
+        row["mean"], row["mean ±"], _ = t_interval(g["probe_mean"])
         rows.append(row)
     table = pd.DataFrame(rows)
     files = _write(table, out, "multihop_probe")
@@ -70,7 +71,7 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
             continue
         for stat, what in (("probe_mean", "mean over hop counts"),
                            ("probe_deepest", f"at {hops[-1][0]} hops")):
-            d, h = abl.welch_interval(g[stat], base[stat])
+            d, h = welch_interval(g[stat], base[stat])
             # A probe no model learned even at one hop says nothing about depth: "not tested",
             # not "inconclusive" (which promises that more seeds could settle it).
             claims.append(Claim(f"{v} answers multi-hop chains better than the baseline ({what})",
@@ -78,5 +79,5 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
                                 + ("; every run at chance, the probe was not learned" if at_chance else ""),
                                 "not tested" if at_chance
                                 else _verdict(d - h, d + h, better_is_negative=False),
-                                np.nan if at_chance else abl.welch_p(g[stat], base[stat])))
+                                np.nan if at_chance else welch_p(g[stat], base[stat])))
     return Section(title, text + _img(files, out, "multi-hop probe"), claims, files)
