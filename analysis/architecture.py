@@ -26,6 +26,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from .significance import pooled_seed_sd
+
 X, Y, V = "d_model_per_layer", "heads_per_layer", "loss"
 
 
@@ -142,14 +144,8 @@ def seed_noise(runs: pd.DataFrame, metric: str = "final_val_loss") -> tuple[floa
     if r.empty:
         return np.nan, 0
     r = r.assign(shape=shape_of(r), _seed=_seed_key(r))
-    per_seed = r.groupby(["variant", "shape", "_seed"])[metric].mean()
-    ss, dof = 0.0, 0
-    for _, v in per_seed.groupby(level=["variant", "shape"]):
-        v = v.to_numpy(float)
-        if len(v) >= 2:
-            ss += float(((v - v.mean()) ** 2).sum())
-            dof += len(v) - 1
-    return (float(np.sqrt(ss / dof)), dof) if dof else (np.nan, 0)
+    per_seed = r.groupby(["variant", "shape", "_seed"])[metric].mean().reset_index()
+    return pooled_seed_sd(per_seed, metric, by=["variant", "shape"])
 
 
 def compare_cells(grid: pd.DataFrame, variant: str, baseline: str = "baseline",

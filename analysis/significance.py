@@ -94,11 +94,13 @@ def holm(p) -> np.ndarray:
     return out
 
 
-def pooled_seed_sd(runs: pd.DataFrame, metric: str = "final_val_loss") -> tuple[float, int]:
-    """(σ, degrees of freedom): the seed-to-seed standard deviation pooled over every variant with
-    two or more seeds, i.e. the noise floor one more seed of any variant would have."""
+def pooled_seed_sd(runs: pd.DataFrame, metric: str = "final_val_loss",
+                   by: str | list[str] = "variant") -> tuple[float, int]:
+    """(σ, degrees of freedom): the seed-to-seed standard deviation pooled over every group of
+    runs (`by`: a variant, or a variant at one shape) with two or more values, i.e. the noise
+    floor one more seed of any of them would have; (NaN, 0) when no group has two."""
     ss, dof = 0.0, 0
-    for _, g in runs.groupby("variant"):
+    for _, g in runs.groupby(by):
         v = g[metric].to_numpy(float)
         v = v[np.isfinite(v)]
         if len(v) >= 2:
