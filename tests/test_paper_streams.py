@@ -1,9 +1,10 @@
 """Whole residual streams against a naive float64 reference written from PAPER.md's equations
 (stacked sources, explicit softmax, explicit Sinkhorn; none of the project's read paths), with
 random non-zero parameters, so that every query, gain, mixing logit and gate matters. These cover
-what tests/test_core_reads.py does not: DenseFormer, mHC, multi-head, per-token queries, the
+what tests/test_core_reads.py does not: DenseFormer, HC, mHC, multi-head, per-token queries, the
 sliding window, Block with a remainder, each through a whole stream of sublayers and its output,
-forward and gradients.
+forward and gradients; HC and mHC also at an expansion rate and Sinkhorn count other than the
+defaults, so that a config value that never reaches the module shows.
 
 Tolerance: 1e-10 relative in float64 (the implementations agree to ~1e-14). Alternative readings
 of the paper (mHC's mixing matrix transposed, Sinkhorn columns first or with 19 iterations) must
@@ -91,6 +92,24 @@ def mhc_stream(e, subs, p, n=4, iters=20, transpose=False, columns_first=False):
     return sum(H)
 
 
+def hc_stream(e, subs, p, n=4):
+    """Dynamic Hyper-Connections (Zhu et al., 2024): per stream j, H̄_j = RMSNorm(H_j) and
+    g_j = tanh(H̄_j W) with W's columns pre | post | res (n); pre_j = A_m[j] + s_α g_j,pre,
+    post_j = B[j] + s_β g_j,post, res[j, k] = A_r[j, k] + s_α g_j,res_k (res is HC's A_r, indexed
+    (from j, to k): H' = A_rᵀ H + Bᵀ f(A_mᵀ H)). Output: the mean of the streams (the project's
+    reading of HC's sum; the final RMSNorm removes the factor n)."""
+    H = [e] * n
+    for l, f in enumerate(subs):
+        s_a, s_b = p["scale_pre_res"][l], p["scale_post"][l]
+        g = [torch.tanh(rmsnorm(Hj, p[f"norms.{l}.weight"]) @ p["dynamic"][l]) for Hj in H]
+        pre = [p["pre_static"][l, j] + s_a * g[j][..., 0:1] for j in range(n)]
+        post = [p["post_static"][l, k] + s_b * g[k][..., 1:2] for k in range(n)]
+        res = [[p["res_static"][l, j, k] + s_a * g[j][..., 2 + k : 3 + k] for k in range(n)] for j in range(n)]
+        y = f(sum(pre[j] * H[j] for j in range(n)))
+        H = [sum(res[j][k] * H[j] for j in range(n)) + post[k] * y for k in range(n)]
+    return sum(H) / n
+
+
 def sublayers(seed=0):
     g = torch.Generator().manual_seed(seed)
     mats = [(torch.randn(D, D, generator=g, dtype=F64) / D**0.5, 0.3 * torch.randn(D, generator=g, dtype=F64))
@@ -116,13 +135,31 @@ CASES = {
     "block": (dict(block_size=3), lambda e, s, p: attnres_stream(e, s, p, block=3)),  # 8 = 3 + 3 + 2
     "block_multihead": (dict(heads=4, block_size=3), lambda e, s, p: attnres_stream(e, s, p, block=3, heads=4)),
     "denseformer": (dict(), denseformer_stream),
+    "hc": (dict(), hc_stream),
     "mhc": (dict(), mhc_stream),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_stream_matches_the_papers_equations(name):
-    kw, reference = CASES[name]
+    assert_stream_matches(name, *CASES[name])
+
+
+@pytest.mark.parametrize("name, kw, reference", [
+    pytest.param("hc", dict(streams=3), lambda e, s, p: hc_stream(e, s, p, n=3), id="hc-3-streams"),
+    pytest.param("mhc", dict(streams=3, sinkhorn_iters=7), lambda e, s, p: mhc_stream(e, s, p, n=3, iters=7),
+                 id="mhc-3-streams-7-iterations"),
+])
+def test_expansion_rate_and_sinkhorn_iterations_reach_the_stream(name, kw, reference):
+    """`streams` and `sinkhorn_iters` of the config reach the model built from it: the defaults
+    (4 streams, 20 iterations) would miss these references (parameters of the wrong shape, a
+    different projection)."""
+    assert_stream_matches(name, kw, reference)
+
+
+def assert_stream_matches(name, kw, reference):
+    """Output and every gradient of variant `name` (config `kw`, random parameters) equal the
+    reference stream's, to TOL in float64."""
     res = randomised(name, **kw)
     subs = sublayers()
     e = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(2), dtype=F64, requires_grad=True)
