@@ -304,22 +304,23 @@ def test_param_counts_match_an_independent_count(variant, tie):
 
 
 @pytest.mark.parametrize("variant", ["full", "full_scalar", "full_no_rmsnorm", "block", "block_no_rmsnorm",
-                                     "sliding_window", "full_input_query"])
+                                     "block_multihead", "sliding_window", "full_input_query"])
 def test_depth_read_flops_count_only_the_work_the_variant_does(variant):
     """Forward mixing FLOPs by hand from the sources each read sees: an axpy (2d) and the
-    normaliser (5) per source; a dot product (2d) per source unless the scores are scalars; the
+    normaliser (5) per source and head (block_multihead's heads each normalise on their own: it
+    was counted once); a dot product (2d) per source unless the scores are scalars; the
     rms of the L+1 new sources/partial sums (3d) only with key norms; Block's partial-sum adds."""
-    d, Lb, S, W = 32, 4, 3, 2
+    d, Lb, S, W, H = 32, 4, 3, 2, 8
     L = 2 * Lb
     m = DecoderLM(ModelConfig(d_model=d, layers=Lb, n_heads=4),
-                  ResidualConfig(name=variant, block_size=S, window=W))
+                  ResidualConfig(name=variant, block_size=S, window=W, heads=H))
     if variant.startswith("block"):
         n = sum(r // S + 1 + (1 if r % S else 0) for r in range(L)) + -(-L // S) + 1
     elif variant == "sliding_window":
         n = sum(1 + min(r, W) for r in range(L + 1))
     else:
         n = sum(r + 1 for r in range(L + 1))
-    expected = 2 * d * n + 5 * n
+    expected = 2 * d * n + 5 * n * (H if variant == "block_multihead" else 1)
     expected += 0 if variant == "full_scalar" else 2 * d * n
     expected += 0 if variant in ("full_scalar", "full_no_rmsnorm", "block_no_rmsnorm") else 3 * d * (L + 1)
     expected += d * (L - -(-L // S)) if variant.startswith("block") else 0

@@ -202,13 +202,14 @@ class AttentionResidual(Residual):
         return row
 
     def mixing_flops_per_token(self) -> int:
-        """Per read: an axpy per visible source (2·n·d) and the normaliser (5·n); a dot product per
+        """Per read: an axpy per visible source (2·n·d) and the normaliser (5·n per head: each head
+        normalises over the sources on its own); a dot product per
         visible source (2·n·d) unless the scores are learned scalars (full_scalar); the rms of every
         new source or partial sum (3·d) only with key norms; Block's running partial sums (d per
         sublayer after the first of its block); input queries add their d×d projection."""
         d, L = self.d_model, self.num_layers
         n = int(self.visibility().sum())
-        flops = 2 * d * n + 5 * n
+        flops = 2 * d * n + 5 * n * self.heads
         if self.query_kind != "scalar":
             flops += 2 * d * n
         if self.key_norm:
