@@ -329,6 +329,17 @@ def test_depth_read_flops_count_only_the_work_the_variant_does(variant):
     assert m.flops_per_token(64)["residual"] == 3 * expected
 
 
+def test_denseformer_and_baseline_flops_count_their_sums_by_hand():
+    """Forward mixing FLOPs per token: the baseline's add per sublayer (d); DenseFormer's too, plus
+    its depth-weighted average after block i, i + 1 products and i sums of width d (it counted
+    d more per block)."""
+    d, Lb = 32, 5
+    for variant, expected in [("baseline", 2 * Lb * d),
+                              ("denseformer", 2 * Lb * d + sum((i + 1) * d + i * d for i in range(1, Lb + 1)))]:
+        m = DecoderLM(ModelConfig(d_model=d, layers=Lb, n_heads=4), ResidualConfig(name=variant))
+        assert m.residual.mixing_flops_per_token() == expected, variant
+
+
 @pytest.mark.parametrize("name, key", [("sliding_window", "window"), ("hc", "streams"), ("mhc", "streams"),
                                        ("mhc", "sinkhorn_iters")])
 def test_a_variant_knob_below_one_is_refused_with_its_full_key(name, key):

@@ -54,5 +54,7 @@ class DenseFormerResidual(Residual):
         raise NotImplementedError("DenseFormer's weights are input-independent scalars: see dwa_weights")
 
     def mixing_flops_per_token(self) -> int:
+        """An add per sublayer (d each); after block i, i + 1 products and i sums of width d:
+        Σ_{i=1..n} (2i + 1)·d = n·(n + 2)·d."""
         n = self.num_layers // self.sublayers_per_block
-        return self.d_model * (self.num_layers + n * (n + 3))
+        return self.d_model * (self.num_layers + n * (n + 2))
