@@ -35,6 +35,33 @@ def test_auto_chooses_the_c_kernels_for_fp32_cpu_only():
         kernels.set_backend(None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_an_fp32_embedding_read_by_a_module_of_another_type_takes_the_pytorch_path(dtype):
+    """auto chose the C kernels from the embedding's type alone, which then refused the module's
+    bf16 / float64 queries ("the C kernels take contiguous fp32 CPU tensors"), although the PyTorch
+    path reads such a mix (and did with ATTNRES_KERNEL=torch, or a bf16 embedding and an fp32
+    module). auto now leaves it to the PyTorch path: the same result as forcing it, bit for bit."""
+    from attnres import BlockAttentionResidual
+
+    torch.manual_seed(0)
+    res = BlockAttentionResidual(16, 4, num_blocks=2).to(dtype)
+    with torch.no_grad():
+        for p in res.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    sublayers = [torch.nn.Linear(16, 16) for _ in range(4)]
+    x = torch.randn(2, 3, 16)
+    kernels.set_backend(None)
+    try:
+        got = res(x, sublayers)
+        assert kernels.use_fused(x, res.output_query.float())  # matching types: the C kernels
+        assert not kernels.use_fused(x, res.output_query)
+        kernels.set_backend("torch")
+        want = res(x, sublayers)
+    finally:
+        kernels.set_backend(None)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_cpu_backend_refuses_what_it_cannot_read():
     kernels.set_backend("cpu")
     try:

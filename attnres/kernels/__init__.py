@@ -83,9 +83,11 @@ def cpu_kernels_available() -> bool:
     return cpu_kernels.available()
 
 
-def use_fused(x: torch.Tensor) -> bool:
-    """Whether reads over tensors like x run a fused kernel (Triton or C; see the module
-    docstring) rather than the PyTorch path."""
+def use_fused(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether reads over tensors like x, by a module with parameters like `params`, run a fused
+    kernel (Triton or C; see the module docstring) rather than the PyTorch path. The parameters
+    count too: the kernels take the queries in the type of the sources (the PyTorch path mixes
+    any types, so an fp32 embedding read by a bf16 or float64 module takes it)."""
     mode = backend()
     if mode == "torch":
         return False
@@ -96,10 +98,10 @@ def use_fused(x: torch.Tensor) -> bool:
             raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 to run on CPU")
         return True
     if x.is_cuda and mode == "auto":
-        return x.dtype in _KERNEL_DTYPES and triton_available()
+        return all(t.dtype in _KERNEL_DTYPES for t in (x, *params)) and triton_available()
     from . import native
 
-    return c_kernels_chosen([x], cpu_kernels_available, lambda: native.why_unavailable("depth_read"), traceable=True)
+    return c_kernels_chosen([x, *params], cpu_kernels_available, lambda: native.why_unavailable("depth_read"), traceable=True)
 
 
 def c_kernels_chosen(tensors, available: Callable[[], bool], why: Callable[[], Optional[str]], *, traceable: bool) -> bool:
@@ -132,7 +134,7 @@ def make_reader(res, x: torch.Tensor, want_weights: bool):
     from .readers import FusedReader, TorchReader
 
     two_phase = schedule() == "two_phase"
-    if res.query_kind != "scalar" and use_fused(x):
+    if res.query_kind != "scalar" and use_fused(x, res.output_query):
         return FusedReader(res, x, want_weights, two_phase)
     return TorchReader(res, x, want_weights, two_phase)
 
