@@ -173,7 +173,13 @@ def test_meta_device_init_then_reset_parameters_is_the_paper_init(variant):
 @pytest.mark.parametrize(
     "build, words",
     [
-        (lambda: BlockAttentionResidual(64, 12, num_blocks=5), ["num_blocks=5", "num_layers=12"]),
+        (lambda: BlockAttentionResidual(64, 12, num_blocks=5), ["num_blocks=5", "num_layers=12", "allowed: 1, 2, 3, 4, 6, 12"]),
+        # d_model=0 built an empty module, -4 and a float num_layers failed in torch.zeros, a float
+        # num_blocks built a module with a float block size
+        (lambda: BlockAttentionResidual(0, 6, num_blocks=2), ["d_model=0", "positive integer"]),
+        (lambda: FullAttentionResidual(-4, 6), ["d_model=-4", "positive integer"]),
+        (lambda: BlockAttentionResidual(16, 6.0, num_blocks=2), ["num_layers=6.0", "positive integer"]),
+        (lambda: BlockAttentionResidual(16, 6, num_blocks=2.0), ["num_blocks=2.0", "allowed: 1, 2, 3, 6"]),
         (lambda: ResidualConfig(name="blok"), ["residual.name", "blok", "baseline", "block_multihead"]),
         (lambda: DecoderLM(ModelConfig(**TINY), ResidualConfig(name="block_multihead", heads=5)), ["residual.heads=5", "d_model=32", "allowed"]),
         (lambda: DecoderLM(ModelConfig(**TINY), ResidualConfig(name="block", num_blocks=3)), ["residual.num_blocks=3", "allowed: 1, 2, 4, 8"]),

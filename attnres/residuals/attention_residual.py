@@ -42,7 +42,7 @@ from torch import nn
 
 from .. import kernels
 from ..depth_attention import NORMALISERS
-from .base import Residual, SublayerFn
+from .base import Residual, SublayerFn, check_positive_int
 
 SOURCES = ("full", "window", "block")
 QUERIES = ("static", "input", "scalar")
@@ -244,8 +244,10 @@ class BlockAttentionResidual(AttentionResidual):
     """
 
     def __init__(self, d_model: int, num_layers: int, num_blocks: int, eps: float = 1e-6):
-        if num_blocks < 1 or num_layers % num_blocks:
+        check_positive_int("num_layers", num_layers, "it counts sublayers")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1 or num_layers % num_blocks:
             raise ValueError(
-                f"num_blocks={num_blocks} must divide num_layers={num_layers} (both count sublayers)"
+                f"num_blocks={num_blocks!r} must divide num_layers={num_layers} (both count sublayers); allowed: "
+                + ", ".join(str(n) for n in range(1, num_layers + 1) if num_layers % n == 0)
             )
         super().__init__(d_model, num_layers, sources="block", block_size=num_layers // num_blocks, eps=eps)

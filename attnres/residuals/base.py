@@ -44,6 +44,13 @@ def encoder_sublayers(encoder: nn.TransformerEncoder, **kwargs) -> list[Sublayer
     return fns
 
 
+def check_positive_int(name: str, value, meaning: str) -> None:
+    """One line for a size that is not a positive integer (0 built an empty module, a float or a
+    negative number failed later in torch.zeros)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer ({meaning})")
+
+
 class Residual(nn.Module):
     """Base class: argument handling, the encoder form, and the instrumentation hook."""
 
@@ -51,8 +58,8 @@ class Residual(nn.Module):
 
     def __init__(self, d_model: int, num_layers: int):
         super().__init__()
-        if num_layers < 1:
-            raise ValueError(f"num_layers={num_layers} must be at least 1 (it counts sublayers)")
+        check_positive_int("d_model", d_model, "the width of the embedding and of every sublayer's output")
+        check_positive_int("num_layers", num_layers, "it counts sublayers")
         self.d_model, self.num_layers = d_model, num_layers
         self.recorder: Optional[DepthRecorder] = None
 
