@@ -195,6 +195,51 @@ def test_bad_arguments_name_the_argument_and_allowed_values(build, words):
         assert w in str(err.value), f"{w!r} missing from: {err.value}"
 
 
+def _misuse(case):
+    d, L = 16, 6
+    res = BlockAttentionResidual(d, L, num_blocks=3)
+    subs = nn.ModuleList(nn.Linear(d, d) for _ in range(L))
+    x = torch.randn(2, 5, d)
+    layer = nn.TransformerEncoderLayer(d, 2, batch_first=True, norm_first=True)
+    calls = {
+        "swapped": lambda: res(subs, x),
+        "encoder_second": lambda: res(x, nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)),
+        "one_module": lambda: res(x, subs[0]),
+        "token_ids": lambda: res(torch.randint(0, 9, (2, 5, d)), subs),
+        "too_few": lambda: res(x, subs[:4]),
+        "wrong_width_out": lambda: res(x, [*subs[:2], nn.Linear(d, 8), *subs[3:]]),
+        "tuple_out": lambda: res(x, [lambda h: (h, None)] * L),
+        "device": lambda: BlockAttentionResidual(d, L, num_blocks=3).to("meta")(x, subs),
+    }
+    return calls[case]
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("swapped", ["sublayers must be a list or nn.ModuleList", "got a Tensor", "residual(embedding, sublayers)"]),
+        ("encoder_second", ["residual(encoder, src)"]),
+        ("one_module", ["got a Linear"]),
+        ("token_ids", ["embedding must be a floating-point tensor", "torch.int64", "token ids"]),
+        ("too_few", ["got 4 sublayers", "allowed: exactly 6"]),
+        ("wrong_width_out", ["sublayers[2] returned shape (2, 5, 8) for an input of shape (2, 5, 16)"]),
+        ("tuple_out", ["sublayers[0] returned a tuple"]),
+        ("device", ["embedding is on cpu", "parameters are on meta", "to_empty"]),
+    ],
+)
+def test_drop_in_misuse_is_one_line_saying_what_is_allowed(case, words):
+    """Arguments in the wrong order, token ids, a sublayer returning the wrong thing, the module on
+    another device: one ValueError line each (before: TypeError "has no len()", "linalg.vector_norm:
+    Expected a floating point", a reshape error, "fold_rms is an option of the C kernels", or a
+    count of the swapped tensor's batch as sublayers)."""
+    with pytest.raises(ValueError) as err:
+        _misuse(case)()
+    message = str(err.value)
+    assert "\n" not in message
+    for w in words:
+        assert w in message, f"{w!r} missing from: {message}"
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_analytic_flops_match_flop_counter(variant):
     """Within 10% of FlopCounterMode on one forward+backward (which counts matmuls and SDPA only)."""

@@ -51,6 +51,21 @@ def check_positive_int(name: str, value, meaning: str) -> None:
         raise ValueError(f"{name}={value!r} must be a positive integer ({meaning})")
 
 
+def _shape_checked(index: int, f: SublayerFn) -> SublayerFn:
+    """f, with one line naming it when it does not return a tensor of its input's shape (a wrong
+    width or a tuple failed deep in the read with a reshape or attribute error)."""
+
+    def call(h: torch.Tensor) -> torch.Tensor:
+        v = f(h)
+        if not torch.is_tensor(v) or v.shape != h.shape:
+            got = f"shape {tuple(v.shape)}" if torch.is_tensor(v) else f"a {type(v).__name__}"
+            raise ValueError(f"sublayers[{index}] returned {got} for an input of shape {tuple(h.shape)}; "
+                             "each sublayer must return a tensor of its input's shape")
+        return v
+
+    return call
+
+
 class Residual(nn.Module):
     """Base class: argument handling, the encoder form, and the instrumentation hook."""
 
@@ -64,16 +79,47 @@ class Residual(nn.Module):
         self.recorder: Optional[DepthRecorder] = None
 
     def forward(self, embedding, sublayers, return_weights: bool = False, **kwargs):
+        """Run `sublayers` over the residual stream that starts at `embedding`.
+
+        embedding: a floating-point tensor (..., d_model), e.g. (batch, tokens, d_model), on the
+        device of this module. sublayers: num_layers callables h -> f(h) in order (a list or
+        nn.ModuleList; attention and MLP are two): each applies its own PreNorm, returns a tensor
+        of h's shape and never adds h back (the residual decides how outputs combine). Keyword
+        arguments (masks) reach every sublayer. Or `residual(encoder, src, mask=…,
+        src_key_padding_mask=…, is_causal=…)` for an nn.TransformerEncoder of norm_first layers.
+        Returns the hidden state (..., d_model) for your final norm (not normalised here) and, with
+        return_weights=True for attention residuals, the depth weights (num_layers + 1 readers,
+        ..., columns): rows the sublayers then the output read, zeros where a source is not
+        visible (`visibility()`)."""
         if isinstance(embedding, nn.TransformerEncoder):
             embedding, sublayers = sublayers, encoder_sublayers(embedding, **kwargs)
-        elif kwargs:
-            sublayers = [functools.partial(f, **kwargs) for f in sublayers]
+        else:
+            if isinstance(sublayers, nn.TransformerEncoder):
+                raise ValueError("got the encoder second: call residual(encoder, src) for an nn.TransformerEncoder, "
+                                 "residual(embedding, sublayers) for a list of sublayers")
+            if torch.is_tensor(sublayers) or not hasattr(sublayers, "__iter__"):
+                raise ValueError(f"sublayers must be a list or nn.ModuleList of callables h -> f(h), got a "
+                                 f"{type(sublayers).__name__}; call residual(embedding, sublayers)")
+            sublayers = list(sublayers)
+            if kwargs:
+                sublayers = [functools.partial(f, **kwargs) for f in sublayers]
+        if not torch.is_tensor(embedding) or not embedding.is_floating_point() or embedding.dim() == 0:
+            got = f"{embedding.dtype} tensor of shape {tuple(embedding.shape)}" if torch.is_tensor(embedding) else type(embedding).__name__
+            hint = " (token ids go through your embedding layer first)" if torch.is_tensor(embedding) and not embedding.is_floating_point() else ""
+            raise ValueError(f"embedding must be a floating-point tensor (..., d_model={self.d_model}), got a {got}{hint}")
         if len(sublayers) != self.num_layers:
-            raise ValueError(f"got {len(sublayers)} sublayers for a residual built for num_layers={self.num_layers}")
+            raise ValueError(f"got {len(sublayers)} sublayers for a residual built for num_layers={self.num_layers}; allowed: "
+                             f"exactly {self.num_layers} (attention and MLP count apart: an encoder layer is two)")
         if embedding.shape[-1] != self.d_model:
             raise ValueError(f"embedding has width {embedding.shape[-1]}, the residual was built for d_model={self.d_model}")
+        param = next(self.parameters(), None)
+        if param is not None and param.device != embedding.device:
+            raise ValueError(f"embedding is on {embedding.device} but the residual's parameters are on {param.device}; "
+                             f"move the residual with .to({str(embedding.device)!r}) (from the meta device: .to_empty(device=…) "
+                             "then reset_parameters()), or the embedding to its device")
         want_weights = return_weights or (self.recorder is not None and self.has_depth_weights)
-        out, weights = self.stream(embedding, list(sublayers), want_weights)
+        checked = [_shape_checked(i, f) for i, f in enumerate(sublayers)]
+        out, weights = self.stream(embedding, checked, want_weights)
         if self.recorder is not None and weights is not None:
             self.recorder.depth_weights(weights, self.visibility())
         return (out, weights) if return_weights else out
