@@ -241,6 +241,10 @@ class BlockAttentionResidual(AttentionResidual):
     partial source, the embedding is a source of its own, and `out` is the final read over all
     N+1 block representations rather than the last partial sum. The RFC's form requires that
     num_blocks divide num_layers; the model's `block` variant (block_size) allows a remainder.
+
+    `res(embedding, sublayers)` (Residual.forward): each sublayer is h -> f(h) with its own PreNorm,
+    no residual add; the result goes to your final norm. Give its parameters no weight decay:
+    decayed pseudo-queries pull every read back to the plain mean (DecoderLM.optimizer_groups).
     """
 
     def __init__(self, d_model: int, num_layers: int, num_blocks: int, eps: float = 1e-6):
