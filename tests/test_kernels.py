@@ -346,6 +346,28 @@ def test_paths_trace_with_torch_compile(path, backend, variant):
         torch.testing.assert_close(compiled(x, subs), want[0], **tol)
 
 
+def test_a_compiled_residual_recompiles_once_for_new_sequence_lengths(path):
+    """torch.compile's default (dynamic=None): the first new token count recompiles the read with
+    a symbolic one, and no later count compiles again (README), in training and in generation.
+    The PyTorch path's tiling looped range() over the token count, on which Dynamo specialised:
+    every new length compiled again, and after 8 of them torch ran the module eagerly."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    path("torch", "two_phase")
+    torch._dynamo.reset()
+    res = _module("block", num_layers=4, block_size=2)
+    subs, ws = _sublayers(4)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(res, backend=counter)
+    for T in (2, 3, 4):
+        x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(T), requires_grad=True)
+        _run(compiled, x, subs, ws)
+        with torch.no_grad():
+            compiled(x, subs)
+    # with and without grad (another graph each): the static one, then the dynamic one
+    assert counter.frame_count == 4, f"{counter.frame_count} compilations for 3 sequence lengths"
+
+
 def test_the_pointer_table_reads_stay_out_of_cuda_graphs():
     """The read ops copy a host-built pointer table at each call, which a CUDA graph cannot
     capture: they carry the tag that makes torch.compile's CUDA-graph modes leave them out."""

@@ -48,6 +48,10 @@ _TILE_BYTES = 1 << 23
 
 def _tiles(N: int, row_bytes: int):
     step = max(32, _TILE_BYTES // max(1, row_bytes))
+    if N <= step:
+        # One tile without a loop: under torch.compile, range() over a symbolic N made Dynamo
+        # specialise on it, so every new sequence length recompiled (and after 8, ran eager).
+        return [slice(0, N)]
     return [slice(t, min(t + step, N)) for t in range(0, N, step)]
 
 
