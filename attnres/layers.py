@@ -48,7 +48,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.max_seq_len = cfg.rope_theta, cfg.max_seq_len
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * self.head_dim, bias=False)
         self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
@@ -57,7 +57,11 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k, v = self.kv_proj(x).view(B, T, 2, self.n_kv_heads, self.head_dim).unbind(2)
-        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, x.device, x.dtype)
+        # One table of max_seq_len rows, sliced (row t does not depend on the table's length): a
+        # table per length made torch.compile specialise on T and recompile for every new length.
+        rows = self.max_seq_len if T <= self.max_seq_len else T
+        cos, sin = rope_tables(rows, self.head_dim, self.rope_theta, x.device, x.dtype)
+        cos, sin = cos[:T], sin[:T]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,

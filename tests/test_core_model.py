@@ -330,6 +330,24 @@ def test_rope_rotates_each_pair_of_halves_and_depends_on_relative_position_only(
         torch.testing.assert_close(at(q, m) @ at(k, n), at(q, m + shift) @ at(k, n + shift), rtol=0, atol=1e-12)
 
 
+def test_a_compiled_model_recompiles_once_for_new_sequence_lengths():
+    """torch.compile's default (dynamic=None): the first new length compiles a dynamic graph and
+    later lengths reuse it (README), as generation needs. The RoPE tables were cached per length,
+    and the cache lookup made Dynamo specialise on T: a compilation per length. Now one table of
+    max_seq_len rows is sliced; the logits stay those of eager mode (fp32, 1e-6)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    m = tiny("baseline").eval()
+    counter = CompileCounter()
+    compiled = torch.compile(m, backend=counter)
+    with torch.no_grad():
+        for T in (2, 3, 4, 5):
+            idx = tokens(B=1, T=T)
+            torch.testing.assert_close(compiled(idx)[0], m(idx)[0], rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 2, f"{counter.frame_count} compilations for 4 sequence lengths"
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tie", [False, True])
 def test_param_counts_match_an_independent_count(variant, tie):
