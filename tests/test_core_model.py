@@ -42,6 +42,15 @@ def test_starts_exactly_as_the_baseline(variant):
     assert torch.equal(other(idx)[0], base(idx)[0])  # bit for bit, float32
 
 
+
+def test_print_model_shows_which_residual_it_runs():
+    """`print(model)` tells the thirteen variants apart by their residual's knobs (every attention
+    residual printed as a bare `AttentionResidual(` before)."""
+    shown = {v: repr(tiny(v).residual).splitlines()[:2] for v in VARIANTS}
+    assert len({" ".join(lines) for lines in shown.values()}) == len(VARIANTS), shown
+    assert "sources=block, block_size=2" in " ".join(shown["block_multihead"])
+    assert "heads=4" in " ".join(shown["block_multihead"]) and "window=3" in " ".join(shown["sliding_window"])
+
 def test_mhc_mixing_is_doubly_stochastic():
     m = tiny("mhc")
     H = torch.randn(2, 7, 4, 32)

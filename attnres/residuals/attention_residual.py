@@ -97,6 +97,11 @@ class AttentionResidual(Residual):
             self.query_projections = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(L))
         self.reset_parameters()
 
+    def extra_repr(self) -> str:
+        where = {"block": f", block_size={self.block_size}", "window": f", window={self.window}"}.get(self.sources, "")
+        return (f"{super().extra_repr()}, sources={self.sources}{where}, query={self.query_kind}, "
+                f"key_norm={self.key_norm}, normaliser={self.normaliser}, heads={self.heads}")
+
     def reset_parameters(self) -> None:
         """The paper's init: zero queries (every read starts as the plain mean of its sources),
         key-norm gains 1; zero input-query projections and scalar logits. nn.Module's convention,
@@ -167,7 +172,7 @@ class AttentionResidual(Residual):
         return [L] * self.num_columns
 
     def stream(self, embedding: torch.Tensor, sublayers: Sequence[SublayerFn], want_weights: bool):
-        # The read path (PyTorch or Triton kernels) and the Block schedule (per read or two-phase)
+        # The read path (PyTorch, Triton or C kernels) and the Block schedule (per read or two-phase)
         # are chosen in attnres.kernels; every combination computes the same model.
         reader = kernels.make_reader(self, embedding, want_weights)
         reader.add(embedding)

@@ -78,6 +78,10 @@ class Residual(nn.Module):
         self.d_model, self.num_layers = d_model, num_layers
         self.recorder: Optional[DepthRecorder] = None
 
+    def extra_repr(self) -> str:
+        # print(model) shows which residual a model runs, with the knobs that make the variant
+        return f"d_model={self.d_model}, num_layers={self.num_layers}"
+
     def forward(self, embedding, sublayers, return_weights: bool = False, **kwargs):
         """Run `sublayers` over the residual stream that starts at `embedding`.
 

@@ -316,6 +316,9 @@ class HyperConnections(Residual):
         self.scale_post = nn.Parameter(torch.empty(L))
         self.reset_parameters()
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, streams={self.streams}"
+
     def reset_parameters(self) -> None:
         """The paper's init: A_m = e_{l mod n}, A_r = I, B = 1; dynamic parts W zero (the start is
         the static HC), scales small but non-zero so that W receives gradient from the first step.
@@ -381,6 +384,9 @@ class ManifoldHyperConnections(Residual):
         self.gates = nn.Parameter(torch.empty(L, 3))  # α_pre, α_post, α_res
         self.bias = nn.Parameter(torch.empty(L, 2 * n + n * n))
         self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, streams={self.streams}, sinkhorn_iters={self.sinkhorn_iters}"
 
     def reset_parameters(self) -> None:
         """Gating factors `gate_init` and biases 0 (Megatron-LM's), φ ~ N(0, 0.02²) (Megatron-LM
