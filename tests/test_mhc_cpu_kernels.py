@@ -102,7 +102,7 @@ def test_mix_c_matches_pytorch(n):
         m.zero_grad(set_to_none=True)
         H = H0.clone().requires_grad_()
         if native:
-            h, post, res = hc._Mix.apply(H, m._folded_weight(1), m.gates[1], m.bias[1], m.sinkhorn_iters, m.norms[1].eps)
+            h, post, res = hc._StreamMix.apply(H, m._folded_weight(1), m.gates[1], m.bias[1], m.sinkhorn_iters, m.norms[1].eps)
         else:
             pre, post, res = m.mixing(1, H)
             h = hc._weighted_streams(pre, list(H.unbind(-2)))
@@ -198,7 +198,7 @@ def test_c_path_is_the_default_for_fp32_cpu_only(monkeypatch):
         return names
 
     out_c = res(x.requires_grad_(), fns)
-    assert {"_MixBackward", "_UpdateThenMixBackward", "_UpdateBackward"} <= graph_names(out_c)
+    assert {"_StreamMixBackward", "_UpdateThenMixBackward", "_UpdateBackward"} <= graph_names(out_c)
     kernels.set_backend("torch")
     try:
         out_t = res(x, fns)

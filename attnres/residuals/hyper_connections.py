@@ -240,7 +240,7 @@ def _dense(t):
     return None if t is None else t.contiguous()
 
 
-class _Mix(torch.autograd.Function):
+class _StreamMix(torch.autograd.Function):
     """The first sublayer's mix: (h, post, res) of the streams H (..., n, d), w = g ∘ φ (n·d, m)."""
 
     @staticmethod
@@ -437,7 +437,7 @@ class ManifoldHyperConnections(Residual):
         n, d, L = self.streams, self.d_model, len(sublayers)
         iters, eps = self.sinkhorn_iters, [norm.eps for norm in self.norms]
         H = embedding.unsqueeze(-2).expand(*embedding.shape[:-1], n, d).contiguous()
-        h, post, res = _Mix.apply(H, self._folded_weight(0), self.gates[0], self.bias[0], iters, eps[0])
+        h, post, res = _StreamMix.apply(H, self._folded_weight(0), self.gates[0], self.bias[0], iters, eps[0])
         for l, f in enumerate(sublayers):
             v = f(h)
             self.observe(h, v)
