@@ -31,7 +31,7 @@
  *   d 64: a merge 62 → 40 µs forward and 142 → 75 µs backward; 33 per-token sources 0.9 → 0.6
  *   and 4.1 → 2.5 ms).
  * - The backward recomputes the scores from the sources and the saved lse (weights are never
- *   stored) and knows Δ = g·out − g_lse before it writes anything, so the query gradient is
+ *   stored; divided by their sum, see normalise_lanes) and knows Δ = g·out − g_lse before it writes anything, so the query gradient is
  *   accumulated directly (no cancellation trick needed, unlike the Triton kernel). A merge's
  *   backward takes g·out from its own output rather than its initial state (see below), so
  *   phase-1 outputs need not outlive the forward.
@@ -294,6 +294,31 @@ static void gather_rows(const float *x, float *dst, i64 N, i64 ta, int T, int R,
  * registers right after their scores (mix_rows), while the group's rows are still in L1. */
 #define G LANES /* vector_math.h */
 
+/* The recomputed weights α_i = e^(t_i − lse) (n rows of m lanes; a0: the initial state's, or
+ * NULL), divided by their sum. In exact arithmetic the sum is 1; in fp32 it is off by about
+ * |lse|·2⁻²⁴, because lse is rounded to a float, and every gradient through a nearly one-hot
+ * softmax is a difference of terms that cancel only if the weights sum to 1: with the raw
+ * weights, Δ = Σ α_i (g·v_i) is off by that much times g·v, which at |logits| ~ 30 already
+ * made the query's gradient 10× less precise than the PyTorch path's. */
+static inline void normalise_lanes(float *restrict A, int n, int m, float *restrict a0) {
+    for (int j0 = 0; j0 < m; j0 += 64) {
+        const int mm = m - j0 < 64 ? m - j0 : 64;
+        float z[64];
+        for (int j = 0; j < mm; j++) z[j] = a0 ? a0[j0 + j] : 0.f;
+        for (int i = 0; i < n; i++) {
+#pragma omp simd
+            for (int j = 0; j < mm; j++) z[j] += A[(i64)i * m + j0 + j];
+        }
+        for (int j = 0; j < mm; j++) z[j] = 1.f / z[j];
+        for (int i = 0; i < n; i++) {
+#pragma omp simd
+            for (int j = 0; j < mm; j++) A[(i64)i * m + j0 + j] *= z[j];
+        }
+        if (a0)
+            for (int j = 0; j < mm; j++) a0[j0 + j] *= z[j];
+    }
+}
+
 /* Lanes past the end of a short last group read the group's last token: they stay finite, and
  * nothing is written for them. */
 static inline i64 lane_token(i64 ta, int u, int T) { return ta + (u < T ? u : T - 1); }
@@ -384,10 +409,14 @@ static void read_one_backward(const float *const *srcs, const float *const *rms,
         }
         for (int i = 0; i < n; i++) {
 #pragma omp simd
-            for (int u = 0; u < G; u++) {
-                A[i * G + u] = exp_f(A[i * G + u] - Lg[u]);
-                delta[u] += A[i * G + u] * B[i * G + u];
-            }
+            for (int u = 0; u < G; u++) A[i * G + u] = exp_f(A[i * G + u] - Lg[u]);
+        }
+        if (out)
+            for (int u = 0; u < G; u++) a0[u] = exp_f(lse0[lane_token(ta, u, T)] - Lg[u]);
+        normalise_lanes(A, n, G, out ? a0 : NULL);
+        for (int i = 0; i < n; i++) {
+#pragma omp simd
+            for (int u = 0; u < G; u++) delta[u] += A[i * G + u] * B[i * G + u];
         }
         if (out) { /* a merge: Δ = g·out, and a0·(g·o0) = g·out − Σ α b (see attnres_read_backward) */
             dot_batch bo = {.m = 0, .out = GO};
@@ -397,10 +426,8 @@ static void read_one_backward(const float *const *srcs, const float *const *rms,
                 batch_push(&bo, g + t * d, out + t * d, d);
             }
             batch_flush(&bo, d);
-            for (int u = 0; u < G; u++) a0[u] = lse0[lane_token(ta, u, T)];
 #pragma omp simd
             for (int u = 0; u < G; u++) {
-                a0[u] = exp_f(a0[u] - Lg[u]);
                 a0b0[u] = GO[u] - delta[u];
                 delta[u] = GO[u];
             }
@@ -653,6 +680,7 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
 #pragma omp simd
             for (int j = 0; j < TJ; j++) a0[j] = exp_f(a0[j] - Lg[j]);
         }
+        normalise_lanes(A, n, TJ, out ? a0 : NULL);
         /* Δ = g·out − g_lse. Without an initial state g·out = Σ_i α_i b_i, from the sources.
          * With one (a merge), out = a0·o0 + Σ_i α_i v_i: g·out is taken from the saved output
          * (which is the next sublayer's input, kept anyway) and a0·(g·o0) = g·out − Σ_i α_i b_i,
