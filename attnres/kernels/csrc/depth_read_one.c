@@ -24,7 +24,11 @@
  *   and its 1/rms was a kernel call (and a sweep of b) of its own; the backward recomputes it the
  *   same way and adds the key norm's gradient to du directly (no 1/rms autograd node).
  * - The backward takes the merge's own output instead of o0 (Δ = g·out; α0·(g·o0) = Δ − Σ α_i g·u_i,
- *   as in depth_read.c), so the phase-1 output o0 need not outlive the forward.
+ *   as in depth_read.c), so the phase-1 output o0 need not outlive the forward. A plain read
+ *   takes Δ = Σ α_i g·u_i from its sources instead (more precise, see one_backward_body).
+ * - The backward's weights e^(t − lse) are divided by their sum (1 but for the rounding of the
+ *   forward's fp32 lse), and its scores are rounded as the forward's (row_score): through a nearly
+ *   one-hot softmax the gradients are differences that cancel only if the weights sum to 1.
  * - A static query's gradient is summed over a group in float and flushed into double per group;
  *   ranges on OpenMP threads keep one double accumulator each, summed in range order at the end
  *   (a given thread count always gives the same result).
@@ -49,6 +53,24 @@ static inline void prefetch_ahead(const float *row, int d, i64 t, i64 t1) {
         for (int c = 0; c < d; c += 16) __builtin_prefetch(row + 2 * G * d + c, 0, 1);
 }
 
+/* The score s = (q·u)·ρ of one row and its ρ = 1/rms(u) (1 without key norm), one function for
+ * the forward and the backward so that both round it the same way, to the bit: the backward's
+ * weights e^(t − lse) take t from its own scores and lse from the forward's, so a score rounded
+ * differently (another order of the sums, a division instead of a product) shifts its weight by
+ * that rounding error times |s| (6e-2 relative at |s| ~ 1e6, 1e-2 in the query's gradient at
+ * |s| ~ 200). */
+static inline __attribute__((always_inline)) float row_score(const float *restrict x, const float *restrict qt,
+                                                              int d, float eps, int key_norm, float *rho) {
+    float xx = 0.f, qx = 0.f;
+#pragma omp simd reduction(+ : xx, qx)
+    for (int c = 0; c < d; c++) {
+        xx += x[c] * x[c];
+        qx += qt[c] * x[c];
+    }
+    *rho = key_norm ? 1.f / sqrtf(xx / d + eps) : 1.f;
+    return qx * *rho;
+}
+
 static inline __attribute__((always_inline)) void one_forward_body(
     const float *const *u, int n, const float *restrict q, int per_token, const float *restrict o0,
     const float *restrict lse0, float *restrict out, float *restrict lse, int d, float eps, int key_norm,
@@ -65,13 +87,8 @@ static inline __attribute__((always_inline)) void one_forward_body(
             for (int i = 0; i < n; i++) {
                 const float *restrict x = u[i] + t * d;
                 prefetch_ahead(x, d, t, t1);
-                float xx = 0.f, qx = 0.f;
-#pragma omp simd reduction(+ : xx, qx)
-                for (int c = 0; c < d; c++) {
-                    xx += x[c] * x[c];
-                    qx += qt[c] * x[c];
-                }
-                S[i * G + k] = key_norm ? qx / sqrtf(xx / d + eps) : qx;
+                float rho;
+                S[i * G + k] = row_score(x, qt, d, eps, key_norm, &rho);
             }
             L[k] = o0 ? lse0[t] : -INFINITY; /* no running read: its weight is e^−∞ = 0 */
         }
@@ -100,8 +117,9 @@ static inline __attribute__((always_inline)) void one_forward_body(
     }
 }
 
-/* The gradients, with α_i = e^(t_i − lse), α0 = e^(lse0 − lse), Δ = g·out and no gradient into
- * lse (a merge's lse is not an output of the model); per token, q_t for q and dq_t for dq:
+/* The gradients, with α_i ∝ e^(t_i − lse), α0 ∝ e^(lse0 − lse) (normalised), Δ = g·out (a plain
+ * read: Σ α_i g·u_i) and no gradient into lse (a merge's lse is not an output of the model); per
+ * token, q_t for q and dq_t for dq:
  *     dt_i = α_i (g·u_i − Δ)     ds_i = dt_i (softmax) or dt_i σ(−s_i) (sigmoid)
  *     du_i = α_i g + ds_i ρ_i q − ds_i s_i ρ_i² u_i / d     (the last term: the key norm's)
  *     dq = Σ_t Σ_i ds_i ρ_i u_i     do0 = α0 g     dlse0 = −Σ_i dt_i  (= α0 (g·o0 − Δ))
@@ -114,32 +132,31 @@ static inline __attribute__((always_inline)) void one_backward_body(
     float S[MAX_SOURCES * G];  /* score s, then α */
     float GU[MAX_SOURCES * G]; /* g·u, then ds·ρ (the coefficient of q) */
     float RH[MAX_SOURCES * G]; /* ρ, then −ds·s·ρ²/d (the coefficient of u) */
-    float GO[G], L[G], A0[G], DL0[G];
+    float E[MAX_SOURCES * G]; /* e^(t − lse) */
+    float GO[G], L[G], A0[G], DL0[G], Z[G];
     for (i64 ta = t0; ta < t1; ta += G) {
         const int T = (int)(t1 - ta < G ? t1 - ta : G);
         for (int k = 0; k < T; k++) { /* pass 1: sums per row */
             const i64 t = ta + k;
-            const float *restrict gt = g + t * d, *restrict yt = out + t * d;
+            const float *restrict gt = g + t * d;
             prefetch_ahead(gt, d, t, t1);
-            prefetch_ahead(yt, d, t, t1);
-            float gy = 0.f;
+            if (lse0) { /* a merge: Δ = g·out (a plain read sums it from its sources below) */
+                const float *restrict yt = out + t * d;
+                prefetch_ahead(yt, d, t, t1);
+                float gy = 0.f;
 #pragma omp simd reduction(+ : gy)
-            for (int c = 0; c < d; c++) gy += gt[c] * yt[c];
-            GO[k] = gy;
+                for (int c = 0; c < d; c++) gy += gt[c] * yt[c];
+                GO[k] = gy;
+            }
             const float *restrict qt = per_token ? q + t * d : q;
             if (per_token) prefetch_ahead(qt, d, t, t1);
             for (int i = 0; i < n; i++) {
                 const float *restrict x = u[i] + t * d;
                 prefetch_ahead(x, d, t, t1);
-                float xx = 0.f, qx = 0.f, gx = 0.f;
-#pragma omp simd reduction(+ : xx, qx, gx)
-                for (int c = 0; c < d; c++) {
-                    xx += x[c] * x[c];
-                    qx += qt[c] * x[c];
-                    gx += gt[c] * x[c];
-                }
-                const float rho = key_norm ? 1.f / sqrtf(xx / d + eps) : 1.f;
-                S[i * G + k] = qx * rho;
+                float rho, gx = 0.f;
+                S[i * G + k] = row_score(x, qt, d, eps, key_norm, &rho);
+#pragma omp simd reduction(+ : gx)
+                for (int c = 0; c < d; c++) gx += gt[c] * x[c];
                 RH[i * G + k] = rho;
                 GU[i * G + k] = gx;
             }
@@ -152,16 +169,41 @@ static inline __attribute__((always_inline)) void one_backward_body(
         }
 #pragma omp simd
         for (int k = 0; k < G; k++) {
-            A0[k] = exp_f(A0[k] - L[k]);
+            A0[k] = Z[k] = exp_f(A0[k] - L[k]);
             DL0[k] = 0.f;
+        }
+        /* The weights e^(t − lse) divided by their sum, 1 but for lse's rounding (|lse|·2⁻²⁴):
+         * gradients through a nearly one-hot softmax cancel only if the weights sum to 1 (see
+         * normalise_lanes in depth_read.c). */
+        for (int i = 0; i < n; i++) {
+#pragma omp simd
+            for (int k = 0; k < G; k++) {
+                const float s = S[i * G + k];
+                E[i * G + k] = exp_f((use_sigmoid ? log_sigmoid(s) : s) - L[k]);
+                Z[k] += E[i * G + k];
+            }
+        }
+#pragma omp simd
+        for (int k = 0; k < G; k++) {
+            Z[k] = 1.f / Z[k];
+            A0[k] *= Z[k];
+        }
+        if (!lse0) { /* a plain read: Δ = Σ α_i (g·u_i), in which g·u of the heaviest source cancels
+                      * against itself; g·out, a dot product of its own, would not cancel it exactly,
+                      * and the query's gradient through a nearly one-hot softmax was 10× less
+                      * precise */
+            for (int k = 0; k < G; k++) GO[k] = 0.f;
+            for (int i = 0; i < n; i++) {
+#pragma omp simd
+                for (int k = 0; k < G; k++) GO[k] += E[i * G + k] * Z[k] * GU[i * G + k];
+            }
         }
         for (int i = 0; i < n; i++) { /* pass 2: coefficients, tokens in the lanes */
 #pragma omp simd
             for (int k = 0; k < G; k++) {
                 const int j = i * G + k;
                 const float s = S[j];
-                const float t = use_sigmoid ? log_sigmoid(s) : s;
-                const float a = exp_f(t - L[k]);
+                const float a = E[j] * Z[k];
                 const float dt = a * (GU[j] - GO[k]);
                 const float ds = use_sigmoid ? dt / (1.f + exp_f(s)) : dt;
                 DL0[k] -= dt;
