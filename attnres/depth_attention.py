@@ -46,12 +46,14 @@ def normalise_scores(scores: torch.Tensor, normaliser: str, dim: int = -1) -> to
     stays a convex combination of sources like the softmax's (bounded hidden states are the
     point of AttnRes) and zero queries give the same plain mean: the ablation then isolates the
     shape of the nonlinearity alone (a sigmoid saturates, so one source can never take it all).
+    Computed as softmax(log σ(s)), the same weights: σ(s)/Σσ would be 0/0 where every score of a
+    token is below about −100 (σ underflows in fp32), and this is what the kernels and the
+    two-phase schedule compute, so the paths agree there too.
     """
     if normaliser == "softmax":
         return torch.softmax(scores, dim=dim)
     if normaliser == "sigmoid":
-        gates = torch.sigmoid(scores)
-        return gates / gates.sum(dim=dim, keepdim=True)
+        return torch.softmax(torch.nn.functional.logsigmoid(scores), dim=dim)
     raise ValueError(f"normaliser={normaliser!r} is not known; allowed: {', '.join(NORMALISERS)}")
 
 

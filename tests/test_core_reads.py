@@ -184,6 +184,27 @@ def test_one_read_matches_explicit_formula(key_norm, normaliser):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def test_sigmoid_read_with_very_negative_scores_is_finite_and_exact():
+    """Renormalised sigmoid weights σ(s_i)/Σσ(s_j) of scores around −150 (every σ underflows in
+    fp32): fp32 output and gradients equal the float64 read to 1e-4 relative (σ/Σσ was 0/0: NaN,
+    where the kernels and the two-phase schedule, which take softmax(log σ), were finite)."""
+    g = torch.Generator().manual_seed(0)
+    sources = [1 + 0.3 * torch.randn(2, 3, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    q = torch.full((D,), -150.0 / D, dtype=torch.float64)  # scores ≈ −150 · (mean of a key ≈ 0.96)
+    keys = [v / v.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() for v in sources]
+    grad = torch.randn(2, 3, D, generator=g, dtype=torch.float64)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        x = [t.to(dtype).requires_grad_() for t in (*sources, q)]
+        out = depth_read(x[-1], x[:-1], normaliser="sigmoid")
+        results.append([out, *torch.autograd.grad(out, x, grad.to(dtype))])
+    scores = torch.stack([(k * q).sum(-1) for k in keys])
+    assert scores.max() < -100  # the case: every gate of every token underflows in fp32
+    for got, want in zip(results[1], results[0]):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("variant", ["full", "full_sigmoid", "full_no_rmsnorm", "block", "block_multihead", "sliding_window", "full_input_query"])
 def test_module_reads_match_reference_read_with_random_parameters(variant):
     """Every read of the (factorised, precomputed) module equals depth_read on the visible sources."""
