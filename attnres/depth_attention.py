@@ -77,8 +77,8 @@ def depth_read(
     """
     V = torch.stack(list(sources), dim=-2)  # (..., n, d)
     d = V.shape[-1]
-    if d % heads:
-        raise ValueError(f"heads={heads} must divide d_model={d}")
+    if heads < 1 or d % heads:
+        raise ValueError(f"heads={heads} must be a positive divisor of d_model={d}")
     K = V * inv_rms(V, eps) if key_norm else V
     if key_gain is not None and key_norm:
         K = K * key_gain

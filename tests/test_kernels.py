@@ -401,6 +401,18 @@ except RuntimeError as e:
     assert "refused:" in out.stdout and "Triton" in out.stdout
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("heads", [5, 0, -4])
+def test_heads_that_do_not_divide_d_are_refused_in_one_line(path, backend, heads):
+    """d = 12: 5 does not divide it; 0 was a ZeroDivisionError, -4 (which "divides" 12) a reshape
+    error deep inside the read."""
+    path("torch" if backend == "reference" else backend)
+    srcs = _sources(2, (1, 3, 12), seed=0)
+    read = depth_read if backend == "reference" else kernels.fused_depth_read
+    with pytest.raises(ValueError, match=f"^heads={heads} must be a positive divisor of d_model=12$"):
+        read(torch.zeros(12), srcs, heads=heads)
+
+
 def test_backend_names_are_checked():
     with pytest.raises(ValueError, match="allowed: auto, triton, cpu, torch"):
         kernels.set_backend("cuda")

@@ -157,8 +157,8 @@ def fused_depth_read(
 
     _choice(normaliser, NORMALISERS, "normaliser")
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
-    if d % heads:
-        raise ValueError(f"heads={heads} must divide d_model={d}")
+    if heads < 1 or d % heads:
+        raise ValueError(f"heads={heads} must be a positive divisor of d_model={d}")
     flat = [s.reshape(-1, d).contiguous() for s in sources]
     q = query * key_gain if (key_gain is not None and key_norm) else query
     per_token = q.dim() > 1
