@@ -216,16 +216,25 @@ def _read_bwd_kernel(
             tl.store(scr_i + plane + scr, b, mask=row_state_ok)
             tl.store(scr_i + 2 * plane + scr, qv, mask=row_state_ok)
             scr_i += 3 * plane
+        # The weights e^(t − lse) sum to 1 only up to the rounding of the fp32 lse (|lse|·2⁻²⁴),
+        # and through a peaked softmax B_i − Δ cancels only if they sum to 1: every weight (α_i,
+        # a0, and c_i in P and Q) is divided by their sum z (the mean m does not change).
+        z = weight
+        if HAS_INIT:
+            z += a0
+        z = tl.where(z > 0, z, 1.0)
+        delta = delta / z
         if HAS_GLSE:
             delta -= tl.load(glse_ptr + row_state, mask=row_state_ok, other=0.0)
         if HAS_INIT:
+            a0 = a0 / z
             tl.store(do0_ptr + state, (a0[:, :, None] * g).to(do0_ptr.dtype.element_ty), mask=state_ok)
             tl.store(dlse0_ptr + row_state, a0 * (b0 - delta), mask=row_state_ok)
-        dq = acc_p + (mean - delta)[:, :, None] * acc_q
+        dq = (acc_p + (mean - delta)[:, :, None] * acc_q) / z[:, :, None]
 
         dsrc_i, drms_i, scr_i = dsrc_ptr, drms_ptr, scratch_ptr  # 64-bit pointer steps, no i·N·d product
         for i in range(n_src):
-            alpha = tl.load(scr_i + scr, mask=row_state_ok, other=0.0)
+            alpha = tl.load(scr_i + scr, mask=row_state_ok, other=0.0) / z
             b = tl.load(scr_i + plane + scr, mask=row_state_ok, other=0.0)
             qv = tl.load(scr_i + 2 * plane + scr, mask=row_state_ok, other=0.0)
             scr_i += 3 * plane
