@@ -13,7 +13,7 @@
  *
  * Design decisions:
  * - Rows, then lanes, then rows. Per group of G tokens, pass 1 sweeps each token's rows once and
- *   takes all its sums at once (u·u and q·u; backward also g·u and g·out); pass 2 runs the
+ *   takes all its sums at once (u·u and q·u; backward also g·u, and g·out for a merge); pass 2 runs the
  *   softmax and every per-token coefficient with the G tokens in the lanes of one vector; pass 3
  *   writes each output row once, while the group's rows are still in L1. Each sum is a plain
  *   reduction over d with d a compile-time constant at the common widths (no pointer tables, no
