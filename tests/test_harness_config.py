@@ -75,9 +75,13 @@ def test_several_srun_tasks_without_torchrun_are_refused(monkeypatch):
     assert validate(compose([])).parallel is None
 
 
+_gpu_sweep = pytest.mark.slow  # the GPU presets compose as the CPU ones do: checked in the slow set
+
+
 @pytest.mark.parametrize("name,jobs", [
-    ("ablation", 39), ("ablation_gpu", 39), ("block_size", 14), ("block_size_gpu", 14), ("scaling", 24),
-    ("scaling_gpu", 15), ("arch", 30), ("arch_gpu", 50), ("multihop", 8), ("tuned_lr", 26),
+    ("ablation", 39), pytest.param("ablation_gpu", 39, marks=_gpu_sweep), ("block_size", 14),
+    pytest.param("block_size_gpu", 14, marks=_gpu_sweep), ("scaling", 24), pytest.param("scaling_gpu", 15, marks=_gpu_sweep),
+    ("arch", 30), pytest.param("arch_gpu", 50, marks=_gpu_sweep), ("multihop", 8), ("tuned_lr", 26),
 ])
 def test_every_job_of_every_sweep_validates(name, jobs):
     """Every job composes and validates (the GPU grids repeat the CPU ones' structure: first,

@@ -378,7 +378,8 @@ def test_twenty_training_steps_reach_the_same_loss(path, backend, variant):
 
 @pytest.mark.parametrize(
     "backend,variant",
-    [("torch", v) for v in ("block", "full", "full_input_query", "sliding_window", "full_scalar", "mhc")]
+    [("torch", v) for v in ("block", "full")]
+    + [pytest.param("torch", v, marks=pytest.mark.slow) for v in ("full_input_query", "sliding_window", "full_scalar", "mhc")]
     + [pytest.param("triton", v, marks=needs_triton) for v in ("block", "full")]
     + [("cpu", v) for v in ("block", "full", "full_input_query")],
 )

@@ -24,7 +24,7 @@ import pytest
 
 from harness_testing import ROOT, TINY
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]  # a database server per test: in the slow set (CI runs it)
 
 
 def _free_port() -> int:

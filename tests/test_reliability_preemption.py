@@ -116,8 +116,9 @@ def test_a_stopped_multirun_ends_its_parent_killed_and_the_rerun_finishes_it(tmp
     assert len(jobs) == 2 and all(r.info.status == "FINISHED" for r in jobs)
 
 
-@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, INTERRUPT_EXIT, "Ctrl-C"),
-                                                (signal.SIGTERM, REQUEUE_EXIT, "SIGTERM")])
+@pytest.mark.parametrize("signum, code, said", [
+    pytest.param(signal.SIGINT, INTERRUPT_EXIT, "Ctrl-C", marks=pytest.mark.slow),  # the same path as SIGTERM's
+    (signal.SIGTERM, REQUEUE_EXIT, "SIGTERM")])
 def test_a_stopped_optuna_sweep_is_one_line_and_the_runs_exit_code(tmp_path, signum, code, said):
     """run.py's Optuna sweep stopped by Ctrl-C (exit 130) or SIGTERM (75, "requeue me"), as a
     stopped training run: the sweeper's line alone (no Hydra hint about HYDRA_FULL_ERROR after it,

@@ -149,6 +149,7 @@ def test_two_variants_are_two_studies_with_their_own_trials(tmp_path, mlflow_uri
     assert (tmp_path / "multirun" / "grid" / "optuna_summary.md").read_text().count("| test/") == 2
 
 
+@pytest.mark.slow
 def test_tpe_finds_a_known_optimum_within_a_factor_two(tmp_path):
     # residual=baseline's fake loss is lowest at lr = 3e-3; the search spans five decades.
     sweep(
@@ -242,6 +243,7 @@ def test_a_full_study_over_its_failure_budget_does_not_block_the_next_cells(tmp_
     assert states(study(tmp_path, "test/residual=block").trials) == [TrialState.FAIL] * 2
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_study_without_overshooting(tmp_path, mlflow_uri):
     log = tmp_path / "calls.jsonl"
     # Output to files, not pipes: a full pipe would stall one worker while we wait on the other.
