@@ -285,22 +285,13 @@ READ_ONE_CASES = [  # (running read, per-token query, key norm, sigmoid)
 ]
 
 
-@pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("d", [64, 80])  # a width the kernel fixes at compile time, and one it does not
-@pytest.mark.parametrize("merge,per_token,key_norm,sigmoid", READ_ONE_CASES)
-def test_the_one_reader_kernel_against_the_float64_reference(n, d, merge, per_token, key_norm, sigmoid):
-    """csrc/depth_read_one.c (one reader, one head, 1/rms in the kernel): a phase-2 merge or a
-    plain read, static or per-token query, fp32, 210 tokens (13 groups of 16 and a remainder):
-    output and the gradients of every input (sources, query, and a merge's running read o0 and
-    lse0) to 1e-5 relative to each tensor's largest entry."""
+def _read_one_matches_the_reference(us, q, init, grad, key_norm, sigmoid):
+    """ops.read_one (fp32, the C kernel) against _read_one_reference in float64: the output and the
+    gradient of every input (sources, query, a merge's o0 and lse0 when `init` has them) to 1e-5
+    relative to each tensor's largest entry."""
     from attnres.kernels import ops
 
-    g = torch.Generator().manual_seed(n * d)
-    N = 210
-    us = [torch.randn(N, d, generator=g) * (0.5 + 0.4 * i) for i in range(n)]
-    q = torch.randn(*((N, d) if per_token else (d,)), generator=g) / d**0.5
-    init = [torch.randn(N, d, generator=g), torch.randn(N, 1, generator=g)] if merge else []
-    grad = torch.randn(N, d, generator=g)
+    n, merge = len(us), bool(init)
     inputs = [x.clone().requires_grad_() for x in (*us, q, *init)]
     assert ops.c_read_one_sources(inputs[0], 1) >= n
     running = inputs[n + 1 :] if merge else [None, None]
@@ -313,6 +304,23 @@ def test_the_one_reader_kernel_against_the_float64_reference(n, d, merge, per_to
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("d", [64, 80])  # a width the kernel fixes at compile time, and one it does not
+@pytest.mark.parametrize("merge,per_token,key_norm,sigmoid", READ_ONE_CASES)
+def test_the_one_reader_kernel_against_the_float64_reference(n, d, merge, per_token, key_norm, sigmoid):
+    """csrc/depth_read_one.c (one reader, one head, 1/rms in the kernel): a phase-2 merge or a
+    plain read, static or per-token query, fp32, 210 tokens (13 groups of 16 and a remainder):
+    output and the gradients of every input (sources, query, and a merge's running read o0 and
+    lse0) to 1e-5 relative to each tensor's largest entry."""
+    g = torch.Generator().manual_seed(n * d)
+    N = 210
+    us = [torch.randn(N, d, generator=g) * (0.5 + 0.4 * i) for i in range(n)]
+    q = torch.randn(*((N, d) if per_token else (d,)), generator=g) / d**0.5
+    init = [torch.randn(N, d, generator=g), torch.randn(N, 1, generator=g)] if merge else []
+    grad = torch.randn(N, d, generator=g)
+    _read_one_matches_the_reference(us, q, init, grad, key_norm, sigmoid)
+
+
 @pytest.mark.parametrize("merge", [False, True])
 def test_the_one_reader_kernel_keeps_eps_inside_the_root_for_small_sources(merge):
     """1/rms = (mean u² + eps)^(−1/2). Sources of rms near sqrt(eps) = 1e-3 (sublayer outputs early
@@ -320,23 +328,13 @@ def test_the_one_reader_kernel_keeps_eps_inside_the_root_for_small_sources(merge
     while at rms ≈ 1 (the test above) it changes them by ~1e-6, below fp32 tolerances. Output and
     gradients of a plain read and a merge against the float64 reference, fp32, to 1e-5 relative to
     each tensor's largest entry."""
-    from attnres.kernels import ops
-
     g = torch.Generator().manual_seed(11)
     N, d, n = 40, 64, 3
     us = [torch.randn(N, d, generator=g) * 1e-3 * (1 + i) for i in range(n)]
     q = torch.randn(d, generator=g) / d**0.5
     init = [torch.randn(N, d, generator=g) * 1e-3, torch.randn(N, 1, generator=g)] if merge else []
     grad = torch.randn(N, d, generator=g)
-    inputs = [x.clone().requires_grad_() for x in (*us, q, *init)]
-    running = inputs[n + 1 :] if merge else [None, None]
-    got = ops.read_one(inputs[:n], inputs[n], *running, 1e-6, True, False)
-    got_grads = torch.autograd.grad(got, inputs, grad)
-    exact = [x.detach().double().requires_grad_() for x in inputs]
-    want = _read_one_reference(exact[:n], exact[n], *(exact[n + 1 :] if merge else [None, None]), True, False)
-    want_grads = torch.autograd.grad(want, exact, grad.double())
-    for a, b in zip([got, *got_grads], [want, *want_grads]):
-        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5 * b.abs().max().item())
+    _read_one_matches_the_reference(us, q, init, grad, key_norm=True, sigmoid=False)
 
 
 def test_the_one_reader_kernel_refuses_more_sources_than_its_tables_hold():
