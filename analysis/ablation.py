@@ -23,6 +23,7 @@ from scipy import stats
 from .paper import KNOWN_VARIANTS
 from .significance import holm, t_interval, welch_interval, welch_p
 
+
 def _order(variants) -> list[str]:
     known = [v for v in KNOWN_VARIANTS if v in variants]
     return known + sorted(v for v in variants if v not in KNOWN_VARIANTS)

@@ -40,12 +40,10 @@ import torch
 from tqdm.auto import tqdm
 
 from attnres import DecoderLM
-from harness import distributed, instrument
+from harness import distributed, instrument, pruning
 from harness.config import RunSpec, rank, to_plain
-from harness import pruning
 from harness.data import MultiHopProbe, TokenData, val_batches
 from harness.optim import build_optimizer, lr_multiplier, set_lr
-
 
 KILL_ENV = "ATTNRES_TEST_KILL_AT_STEP"
 
