@@ -21,13 +21,21 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tup
 
     Computed in float64 then cast, so that float64 tests see exact rotations too.
     """
+    if torch.compiler.is_compiling():
+        # Computed in the graph (a few microseconds a step), not looked up: Dynamo guards on the
+        # cache's contents, so the call that filled it made the next call recompile the model.
+        return _rope_tables(seq_len, head_dim, theta, device, dtype)
     key = (seq_len, head_dim, theta, str(device), dtype)
     if key not in _ROPE_CACHE:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-        cos, sin = angles.cos(), angles.sin()
-        _ROPE_CACHE[key] = (torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype))
+        _ROPE_CACHE[key] = _rope_tables(seq_len, head_dim, theta, device, dtype)
     return _ROPE_CACHE[key]
+
+
+def _rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

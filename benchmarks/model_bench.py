@@ -47,7 +47,6 @@ import torch  # noqa: E402
 from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
 from attnres import kernels  # noqa: E402
 from harness import malloc  # noqa: E402  (the allocator settings training runs with)
-from harness.resolvers import block_size_of  # noqa: E402  (the sweeps' S for N blocks)
 
 # Model presets: "default" is the harness's CPU default (conf/model/default.yaml: d_model 64,
 # 2 heads, d_ff 192; conf/train/default.yaml: batch 16 × 128, byte vocabulary) with
@@ -126,6 +125,31 @@ def cpu_peak_bytes(fn) -> int:
     return peak
 
 
+def kernel_profile(step, cuda: bool, top: int) -> dict:
+    """One step under the profiler: the `top` kernels (CUDA) or operators (CPU) by self time, and
+    the summed time of all of them against the step's wall time (on a GPU, the gap is launch and
+    host overhead). Where a variant's extra time goes, which the ratios alone cannot say."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with _kineto_quiet(), profile(activities=activities) as prof:
+        t = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = 1000 * (time.perf_counter() - t)
+    rows = []
+    for e in prof.key_averages():
+        if cuda and e.device_type != DeviceType.CUDA:
+            continue
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append(dict(name=e.key, calls=e.count, ms=us / 1000))
+    rows.sort(key=lambda r: -r["ms"])
+    return dict(wall_ms=wall_ms, busy_ms=sum(r["ms"] for r in rows), top=rows[:top])
+
+
 def state_bytes(model, opt) -> int:
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
@@ -151,6 +175,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--malloc-default", action="store_true",
                     help="leave glibc's malloc thresholds alone (default: as the harness trains, harness/malloc.py)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the rounds, profile one step per variant and print its N costliest kernels "
+                         "(CUDA) or operators (CPU)")
     ap.add_argument("--json", help="output path (default benchmarks/out/model_bench_<device>.json)")
     args = ap.parse_args(argv)
 
@@ -167,7 +194,9 @@ def main(argv=None) -> dict:
     blocks = preset["blocks"] if args.blocks is None else args.blocks
     if blocks is not None and blocks < 1:
         ap.error(f"--blocks {blocks}: the number of blocks must be at least 1")
-    block_size = None if blocks is None else block_size_of(cfg.layers, blocks)  # as ${blocks:N}
+    # S as the sweeps' ${blocks:N} computes it (harness.resolvers.block_size_of), written out here:
+    # the harness's resolvers need OmegaConf, which a GPU machine's image may lack.
+    block_size = None if blocks is None else max(1, round(2 * cfg.layers / blocks))
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -260,6 +289,14 @@ def main(argv=None) -> dict:
             print(f"# interrupted in the memory pass: reporting the {rounds} rounds, no memory figures",
                   file=sys.stderr)
             memory = {}
+        profiles = {}
+        try:
+            if args.profile > 0 and memory:  # not after an interrupt
+                for v in variants:
+                    profiles[v] = kernel_profile(runs[v]["step"], cuda, args.profile)
+        except KeyboardInterrupt:
+            print(f"# interrupted in the profile: reporting {len(profiles)} of {len(variants)} profiles",
+                  file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, sigterm)
 
@@ -281,7 +318,7 @@ def main(argv=None) -> dict:
     info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
                 seq_len=seq_len, block_size=block_size, rounds=rounds, warmup=args.warmup, warmup_seconds=warmup_s,
                 compile=args.compile, autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
-                keep_freed_memory=kept, rows=rows)
+                keep_freed_memory=kept, rows=rows, profiles=profiles)
     print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
           f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "
           f"block size {block_size or 'per variant'}, "
@@ -293,6 +330,12 @@ def main(argv=None) -> dict:
         cpu = (f" {row['cpu_step_ms']:8.1f} {row['cpu_ratio']:9.3f}  [{row['cpu_ratio_q1']:.3f}, {row['cpu_ratio_q3']:.3f}]"
                if not cuda else "")
         print(f"{row['variant']:18s} {row['step_ms']:9.1f} {row['ratio']:10.3f}  [{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}]{cpu} {mem}")
+    for v, prof in profiles.items():
+        what = "kernels" if cuda else "operators"
+        print(f"# {v}: one profiled step {prof['wall_ms']:.1f} ms, {what} busy {prof['busy_ms']:.1f} ms; "
+              f"the costliest {len(prof['top'])}:")
+        for r in prof["top"]:
+            print(f"  {r['ms']:9.2f} ms {r['calls']:5d}x  {r['name'][:100]}")
     out = Path(args.json) if args.json else Path(__file__).parent / "out" / f"model_bench_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(info, indent=2, default=str))

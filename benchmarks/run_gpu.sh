@@ -4,7 +4,8 @@
 # Stages run in the order the issue's bars need them; each gets at most its share and what the
 # budget has left, is stopped with SIGTERM at its limit (the benchmarks then report what they
 # measured), and a stage that fails or runs out does not stop the next. Results land in
-# ${OUT:-benchmarks/results}: eight files (a lent machine returns at most eight).
+# ${OUT:-benchmarks/results}: gpu.txt (the machine, then every stage's output in turn) and one
+# JSON file per benchmark, six files (a lent machine returns at most eight).
 # fla-core, to race fla.ops.attnres.fused_attnres: wheels found in .whl/ are installed first, for
 # a machine that cannot reach an index (`pip download --no-deps -d .whl fla-core==0.6.0`; it needs
 # einops too). PYTHON picks the interpreter (default python3).
@@ -27,7 +28,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 "$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$out/gpu.txt"
 
-stage() {  # stage NAME SHARE_S COMMAND...: output in $out/NAME.txt, its tail printed
+stage() {  # stage NAME SHARE_S COMMAND...: output appended to $out/gpu.txt, its tail printed
   local name=$1 share=$2
   shift 2
   local left=$((budget - SECONDS))
@@ -37,22 +38,29 @@ stage() {  # stage NAME SHARE_S COMMAND...: output in $out/NAME.txt, its tail pr
     return
   fi
   echo "== $name (at most $limit s): $*"
-  local t0=$SECONDS
-  timeout --kill-after=20 "$limit" "$@" >"$out/$name.txt" 2>&1
+  local t0=$SECONDS log
+  log=$(mktemp)
+  timeout --kill-after=20 "$limit" "$@" >"$log" 2>&1
   local rc=$?
-  echo "== $name: exit $rc after $((SECONDS - t0)) s$( ((rc == 124)) && echo ' (stopped at its limit)')"
-  tail -n 30 "$out/$name.txt"
+  local summary="== $name: exit $rc after $((SECONDS - t0)) s$( ((rc == 124)) && echo ' (stopped at its limit)')"
+  echo "$summary"
+  tail -n 30 "$log"
+  { echo "== $name: $*"; cat "$log"; echo "$summary"; } >>"$out/gpu.txt"
+  rm -f "$log"
 }
 
 # 1. The kernels are right on the device (the CPU tests run them under Triton's interpreter).
 stage gpu_check 120 "$py" benchmarks/gpu_check.py
 # 2. Model level: the 194m preset, bf16 autocast, compiled; step time and peak memory vs baseline,
-#    one process per bar (the baseline's second compile hits Inductor's cache).
+#    one process per bar (the baseline's second compile hits Inductor's cache), and the costliest
+#    kernels of one step of each (where the extra time goes).
 stage model_bench_block 180 "$py" benchmarks/model_bench.py --preset 194m --compile --variants block \
-  --rounds 8 --warmup 2 --json "$out/model_bench_cuda_194m_block.json"
+  --rounds 8 --warmup 2 --profile 14 --json "$out/model_bench_cuda_194m_block.json"
 # 3. Op level: the issue's work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, fwd+bwd); the
 #    eager reference, our Block schedule and fla-core first, then the other implementations.
 stage op_bench 130 "$py" benchmarks/op_bench.py --json "$out/op_bench_cuda.json"
-stage model_bench_full 200 "$py" benchmarks/model_bench.py --preset 194m --compile --variants full \
+stage model_bench_full 120 "$py" benchmarks/model_bench.py --preset 194m --compile --variants full \
   --rounds 8 --warmup 2 --json "$out/model_bench_cuda_194m_full.json"
+# 4. The fused reads' kernels against their wall time, and the Triton tile sizes (what is left).
+stage tile_sweep 120 "$py" benchmarks/tile_sweep.py --json "$out/tile_sweep_cuda.json"
 echo "== done in $SECONDS s; files in $out"

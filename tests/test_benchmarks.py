@@ -248,3 +248,41 @@ def test_model_bench_stopped_in_its_memory_pass_still_reports_the_rounds(tmp_pat
     info = json.loads(out.read_text())
     assert info["rounds"] == 2 and all(r["step_ms"] > 0 and "peak_mib" not in r for r in info["rows"])
     assert "interrupted in the memory pass" in r.stderr
+
+
+def test_the_gpu_benchmarks_run_without_the_harness_config_stack(tmp_path):
+    """A lent GPU machine's image has torch and Triton but no Hydra, OmegaConf, MLflow or Optuna,
+    and nothing can be installed there: the scripts run_gpu.sh calls must import without them
+    (model_bench took the block size for N blocks from harness.resolvers, which needs OmegaConf).
+    Here they are made unimportable; model_bench runs a toy model with --blocks."""
+    import subprocess
+
+    blocked = "import sys, runpy\nfor m in ('hydra', 'omegaconf', 'mlflow', 'optuna'):\n    sys.modules[m] = None\n"
+    run = blocked + "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+    bench = ROOT / "benchmarks"
+    for argv in ([str(bench / "model_bench.py"), "--variants", "block", "--layers", "2", "--blocks", "2",
+                  "--batch", "1", "--seq-len", "8", "--rounds", "1", "--warmup", "1", "--json",
+                  str(tmp_path / "m.json")],
+                 [str(bench / "op_bench.py"), "--help"], [str(bench / "gpu_check.py"), "--help"],
+                 [str(bench / "tile_sweep.py"), "--help"]):
+        r = subprocess.run([sys.executable, "-c", run, *argv], capture_output=True, text=True, timeout=300,
+                           cwd=tmp_path)
+        assert r.returncode == 0, f"{argv[0]}: {r.stderr[-2000:]}"
+    from harness.resolvers import block_size_of
+
+    assert json.loads((tmp_path / "m.json").read_text())["block_size"] == block_size_of(2, 2) == 2
+
+
+def test_model_bench_profile_names_each_variants_costliest_operators(tmp_path, capsys):
+    """--profile N: one profiled step per variant after the rounds, its N costliest operators (CPU;
+    kernels on CUDA) by self time, and their summed time against the step's wall time."""
+    info = model_bench.main(["--variants", "block", "--layers", "2", "--batch", "2", "--seq-len", "16",
+                             "--rounds", "1", "--warmup", "1", "--profile", "3", "--json", str(tmp_path / "p.json")])
+    assert set(info["profiles"]) == {"baseline", "block"}
+    for prof in info["profiles"].values():
+        assert len(prof["top"]) == 3 and prof["busy_ms"] > 0 and prof["wall_ms"] > 0
+        ms = [r["ms"] for r in prof["top"]]
+        assert ms == sorted(ms, reverse=True) and all(r["calls"] >= 1 for r in prof["top"])
+    assert json.loads((tmp_path / "p.json").read_text())["profiles"]["block"]["top"] == info["profiles"]["block"]["top"]
+    out = capsys.readouterr().out
+    assert "# block: one profiled step" in out and "the costliest 3:" in out

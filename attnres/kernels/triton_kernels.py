@@ -295,12 +295,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+# Elements of one [R, T, W] fp32 tile on a GPU, forward and backward (benchmarks/tile_sweep.py
+# times other values).
+FWD_TILE_ELEMS, BWD_TILE_ELEMS = 4096, 2048
+
+
 def _tiles(r_pad: int, w_pad: int, backward: bool = False) -> tuple[int, int]:
     """Rows per program and warps: keep one [R, T, W] fp32 tile near 4k elements on a GPU (the
     forward holds about three such tiles: query, accumulator, product), 2k in backward (query,
     gradient and two accumulators); under the interpreter, large tiles (fewer programs, each a
-    numpy call sequence) are what makes it fast. Heuristics, not tuned on a GPU yet."""
-    budget, cap = (1 << 16, 1024) if INTERPRET else ((2048 if backward else 4096), 64)
+    numpy call sequence) are what makes it fast. Heuristics: on an H200, budgets of 8192 and 4096
+    moved op_bench's step only within its noise (benchmarks/RESULTS.md, "Tile sizes")."""
+    budget, cap = (1 << 16, 1024) if INTERPRET else ((BWD_TILE_ELEMS if backward else FWD_TILE_ELEMS), 64)
     t = max(1, min(cap, budget // (r_pad * w_pad)))
     t = 1 << (t.bit_length() - 1)
     elems = r_pad * t * w_pad
