@@ -286,3 +286,28 @@ def test_model_bench_profile_names_each_variants_costliest_operators(tmp_path, c
     assert json.loads((tmp_path / "p.json").read_text())["profiles"]["block"]["top"] == info["profiles"]["block"]["top"]
     out = capsys.readouterr().out
     assert "# block: one profiled step" in out and "the costliest 3:" in out
+
+
+def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_path):
+    """kernel_resources.py compiles, for sm_90a and without a GPU, every Triton kernel one block
+    step launches and reads registers and occupancy from the cubins; --bwd-warps reaches the
+    backward alone. In a child process: it replaces Triton's active driver for good."""
+    import subprocess
+
+    pytest.importorskip("triton")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
+            "print(json.dumps([kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2']), "
+            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--bwd-warps', '16'])]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], capture_output=True, text=True,
+                       env=env, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    default, sixteen = json.loads(r.stdout.strip().splitlines()[-1])
+    names = {row["kernel"] for row in default}
+    assert {"_read_fwd_kernel", "_read_bwd_kernel", "_inv_rms_fwd_kernel", "_inv_rms_bwd_kernel"} <= names, names
+    for row in default:
+        assert 0 < row["registers"] <= 255 and 0 < row["occupancy"] <= 1 and row["programs_per_sm"] >= 1, row
+    assert all(row["warps"] == 16 for row in sixteen if row["kernel"] == "_read_bwd_kernel")
+    assert all(row["warps"] < 16 for row in default if row["kernel"] == "_read_bwd_kernel")
+    assert ([row["warps"] for row in sixteen if row["kernel"] == "_read_fwd_kernel"]
+            == [row["warps"] for row in default if row["kernel"] == "_read_fwd_kernel"])

@@ -295,9 +295,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# Elements of one [R, T, W] fp32 tile on a GPU, forward and backward (benchmarks/tile_sweep.py
-# times other values).
-FWD_TILE_ELEMS, BWD_TILE_ELEMS = 4096, 2048
+# Elements of one [R, T, W] fp32 tile on a GPU, forward and backward, and the backward's warps
+# (None: by the tile's size, as the forward's). benchmarks/tile_sweep.py times other values,
+# benchmarks/kernel_resources.py counts their registers without a GPU.
+FWD_TILE_ELEMS, BWD_TILE_ELEMS, BWD_WARPS = 4096, 2048, None
 
 
 def _tiles(r_pad: int, w_pad: int, backward: bool = False) -> tuple[int, int]:
@@ -310,6 +311,8 @@ def _tiles(r_pad: int, w_pad: int, backward: bool = False) -> tuple[int, int]:
     t = max(1, min(cap, budget // (r_pad * w_pad)))
     t = 1 << (t.bit_length() - 1)
     elems = r_pad * t * w_pad
+    if backward and BWD_WARPS and not INTERPRET:
+        return t, BWD_WARPS
     return t, (4 if elems <= 2048 else 8 if elems <= 8192 else 16)
 
 
