@@ -14,17 +14,18 @@ from .config import ModelConfig
 _ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+@torch.compiler.assume_constant_result
 def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding tables (Su et al. 2021) for `apply_rope`, cached per shape and
     device: cos over both halves of a head, and sin with its first half negated, each
     (seq_len, 1, head_dim) so that they broadcast over the heads of a (B, T, H, head_dim) tensor.
 
-    Computed in float64 then cast, so that float64 tests see exact rotations too.
+    Computed in float64 then cast, so that float64 tests see exact rotations too. Under
+    torch.compile they are constants of the graph (`assume_constant_result`): a lookup in the
+    graph made Dynamo guard on the cache's contents (the step that filled it made the next one
+    recompile), and a computation in the graph was fused into the rotation, float64 sin and cos
+    for every element of q and k (on an H200, 8.7 ms of a 125 ms 194m step).
     """
-    if torch.compiler.is_compiling():
-        # Computed in the graph (a few microseconds a step), not looked up: Dynamo guards on the
-        # cache's contents, so the call that filled it made the next call recompile the model.
-        return _rope_tables(seq_len, head_dim, theta, device, dtype)
     key = (seq_len, head_dim, theta, str(device), dtype)
     if key not in _ROPE_CACHE:
         _ROPE_CACHE[key] = _rope_tables(seq_len, head_dim, theta, device, dtype)
@@ -69,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         # table per length made torch.compile specialise on T and recompile for every new length.
         rows = self.max_seq_len if T <= self.max_seq_len else T
         cos, sin = rope_tables(rows, self.head_dim, self.rope_theta, x.device, x.dtype)
-        cos, sin = cos[:T], sin[:T]
+        cos, sin = cos.narrow(0, 0, T), sin.narrow(0, 0, T)  # cos[:T] of a graph constant specialised on T
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
