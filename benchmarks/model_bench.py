@@ -125,28 +125,37 @@ def cpu_peak_bytes(fn) -> int:
     return peak
 
 
-def kernel_profile(step, cuda: bool, top: int) -> dict:
-    """One step under the profiler: the `top` kernels (CUDA) or operators (CPU) by self time, and
-    the summed time of all of them against the step's wall time (on a GPU, the gap is launch and
-    host overhead). Where a variant's extra time goes, which the ratios alone cannot say."""
+def kernel_times(step, cuda: bool, steps: int = 1) -> tuple[float, list[dict]]:
+    """`steps` calls of step() under the profiler: wall ms per step, and every kernel (CUDA) or
+    operator (CPU) with its calls and self ms per step, costliest first."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with _kineto_quiet(), profile(activities=activities) as prof:
-        t = time.perf_counter()
-        step()
         if cuda:
             torch.cuda.synchronize()
-        wall_ms = 1000 * (time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = 1000 * (time.perf_counter() - t) / steps
     rows = []
     for e in prof.key_averages():
         if cuda and e.device_type != DeviceType.CUDA:
             continue
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
         if us > 0:
-            rows.append(dict(name=e.key, calls=e.count, ms=us / 1000))
-    rows.sort(key=lambda r: -r["ms"])
+            rows.append(dict(name=e.key, calls=e.count // steps, ms=us / 1000 / steps))
+    return wall_ms, sorted(rows, key=lambda r: -r["ms"])
+
+
+def kernel_profile(step, cuda: bool, top: int) -> dict:
+    """One step under the profiler: the `top` kernels (CUDA) or operators (CPU) by self time, and
+    the summed time of all of them against the step's wall time (on a GPU, the gap is launch and
+    host overhead). Where a variant's extra time goes, which the ratios alone cannot say."""
+    wall_ms, rows = kernel_times(step, cuda)
     return dict(wall_ms=wall_ms, busy_ms=sum(r["ms"] for r in rows), top=rows[:top])
 
 

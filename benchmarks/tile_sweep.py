@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from attnres import kernels  # noqa: E402
-from benchmarks.model_bench import machine  # noqa: E402
+from benchmarks.model_bench import kernel_times, machine  # noqa: E402
 from benchmarks.op_bench import bench, make_inputs, ours  # noqa: E402
 
 
@@ -32,22 +31,14 @@ def profiled(fn, inputs, top: int, steps: int = 1) -> dict:
     """`steps` steps under the profiler, per step: wall time, summed kernel time, the forward and
     backward read kernels' time (which, unlike the step's wall time here, host noise leaves alone),
     and the `top` costliest kernels."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     emb, outs, queries, gains, grads = inputs
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            hs = fn(emb, outs, queries, gains)
-            torch.autograd.backward(hs, grads[: len(hs)])
-        torch.cuda.synchronize()
-        wall = 1000 * (time.perf_counter() - t) / steps
-    rows = sorted(({"name": e.key, "calls": e.count // steps, "ms": e.self_device_time_total / 1000 / steps}
-                   for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
-                  key=lambda r: -r["ms"])
-    return dict(wall_ms=wall, busy_ms=sum(r["ms"] for r in rows),
+
+    def step():
+        hs = fn(emb, outs, queries, gains)
+        torch.autograd.backward(hs, grads[: len(hs)])
+
+    wall_ms, rows = kernel_times(step, True, steps)
+    return dict(wall_ms=wall_ms, busy_ms=sum(r["ms"] for r in rows),
                 read_fwd_ms=sum(r["ms"] for r in rows if r["name"] == "_read_fwd_kernel"),
                 read_bwd_ms=sum(r["ms"] for r in rows if r["name"] == "_read_bwd_kernel"), top=rows[:top])
 
