@@ -59,12 +59,18 @@ def compile_only(arch: int) -> dict:
     """From now on in this process, Triton launches compile for sm_<arch> and run nothing; returns
     the dict that fills with (kernel name, constexprs, warps) -> compiled kernel."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver, jit
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_resources: TRITON_INTERPRET=1 is set; allowed: unset (it compiles, not interprets)")
-    driver.set_active(_StandInDriver(GPUTarget("cuda", arch, 32)))
+    try:
+        from triton.backends.compiler import GPUTarget
+
+        driver.set_active(_StandInDriver(GPUTarget("cuda", arch, 32)))
+        jit.JITFunction.run  # noqa: B018 (the method replaced below)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"kernel_resources: Triton {triton.__version__} lacks an internal this tool uses ({e}); "
+                         "checked with Triton 3.6 and 3.9") from None
     compiled, run = {}, jit.JITFunction.run
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
