@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -72,18 +73,20 @@ def main(argv=None) -> dict:
                 profiles={}, rows=[])
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name, fn in impls.items():
-        bench(fn, inputs, 1, 2, True)  # compiles
-        prof = info["profiles"][name] = profiled(fn, inputs, args.top)
-        print(f"# {name}: profiled step {prof['wall_ms']:.1f} ms, kernels busy {prof['busy_ms']:.1f} ms", flush=True)
-        for r in prof["top"]:
-            print(f"  {r['ms']:8.2f} ms {r['calls']:5d}x  {r['name'][:90]}", flush=True)
     configs = ([default] + [(f, default[1], default[2]) for f in fwd_budgets]
                + [(default[0], b, default[2]) for b in bwd_budgets] + [(default[0], default[1], w) for w in bwd_warps])
-    # Per implementation: the step's median wall time, then the read kernels' time, forward/backward.
-    print(f"{'fwd elems':>9s} {'bwd elems':>9s} {'bwd warps':>9s} "
-          + " ".join(f"{n + ': step, fwd/bwd ms':>38s}" for n in impls), flush=True)
+    sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a time limit stops it as Ctrl-C
     try:
+        for name, fn in impls.items():
+            bench(fn, inputs, 1, 2, True)  # compiles
+            prof = info["profiles"][name] = profiled(fn, inputs, args.top)
+            print(f"# {name}: profiled step {prof['wall_ms']:.1f} ms, kernels busy {prof['busy_ms']:.1f} ms",
+                  flush=True)
+            for r in prof["top"]:
+                print(f"  {r['ms']:8.2f} ms {r['calls']:5d}x  {r['name'][:90]}", flush=True)
+        # Per implementation: the step's median wall time, then the read kernels' time, forward/backward.
+        print(f"{'fwd elems':>9s} {'bwd elems':>9s} {'bwd warps':>9s} "
+              + " ".join(f"{n + ': step, fwd/bwd ms':>38s}" for n in impls), flush=True)
         for fwd, bwd, warps in configs:
             tk.FWD_TILE_ELEMS, tk.BWD_TILE_ELEMS, tk.BWD_WARPS = fwd, bwd, warps
             row = dict(fwd_tile_elems=fwd, bwd_tile_elems=bwd, bwd_warps=warps, ms={}, read_fwd_ms={}, read_bwd_ms={})
@@ -98,6 +101,7 @@ def main(argv=None) -> dict:
     except KeyboardInterrupt:
         print(f"# interrupted: {len(info['rows'])} of {len(configs)} configurations timed", file=sys.stderr)
     finally:
+        signal.signal(signal.SIGTERM, sigterm)
         tk.FWD_TILE_ELEMS, tk.BWD_TILE_ELEMS, tk.BWD_WARPS = default
         kernels.set_backend(None)
         kernels.set_schedule(None)
