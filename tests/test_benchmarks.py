@@ -288,6 +288,7 @@ def test_model_bench_profile_names_each_variants_costliest_operators(tmp_path, c
     assert "# block: one profiled step" in out and "the costliest 3:" in out
 
 
+@pytest.mark.slow  # compiles a dozen Triton kernels to cubins (about 20 s)
 def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_path):
     """kernel_resources.py compiles, for sm_90a and without a GPU, every Triton kernel one block
     step launches and reads registers and occupancy from the cubins; --bwd-warps reaches the
