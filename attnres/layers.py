@@ -28,15 +28,11 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tup
     """
     key = (seq_len, head_dim, theta, str(device), dtype)
     if key not in _ROPE_CACHE:
-        _ROPE_CACHE[key] = _rope_tables(seq_len, head_dim, theta, device, dtype)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        _ROPE_CACHE[key] = (torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype))
     return _ROPE_CACHE[key]
-
-
-def _rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,7 +66,8 @@ class CausalSelfAttention(nn.Module):
         # table per length made torch.compile specialise on T and recompile for every new length.
         rows = self.max_seq_len if T <= self.max_seq_len else T
         cos, sin = rope_tables(rows, self.head_dim, self.rope_theta, x.device, x.dtype)
-        cos, sin = cos.narrow(0, 0, T), sin.narrow(0, 0, T)  # cos[:T] of a graph constant specialised on T
+        # narrow, not [:T]: compiled, the tables are graph constants, and [:T] of one specialised on T.
+        cos, sin = cos.narrow(0, 0, T), sin.narrow(0, 0, T)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
