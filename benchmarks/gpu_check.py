@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     dev, ok = ("cpu" if smoke else "cuda"), True
     T = 5 if smoke else 333
     kernels.set_backend("triton" if smoke else None)
+    from attnres.kernels import triton_kernels  # after the interpreter's switch (--smoke)
+
     g = torch.Generator(device="cpu").manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         for (d, heads), key_norm, normaliser, per_token in read_cases(args.full):
@@ -96,17 +98,23 @@ def main(argv=None) -> int:
         subs = [lambda h, w=w: torch.tanh(h @ w) for w in ws]
         x = torch.randn(2, 3 if smoke else 50, 64, generator=g).to(dev).requires_grad_()
         outs = {}
-        for backend, schedule in (("torch", "per_read"), ("triton", "per_read"), ("triton", "two_phase")):
+        # the last: the two-phase schedule's reads in launches of at most 2 readers (READER_GROUP)
+        for backend, schedule, group in (("torch", "per_read", None), ("triton", "per_read", None),
+                                         ("triton", "two_phase", None), ("triton", "two_phase", 2)):
             kernels.set_backend(backend)
             kernels.set_schedule(schedule)
+            triton_kernels.READER_GROUP = group
             out = res(x, subs)
             grads = torch.autograd.grad(out.square().sum(), [x] + list(res.parameters()))
-            outs[(backend, schedule)] = torch.cat([out.flatten()] + [t.flatten() for t in grads])
-        ref = outs[("torch", "per_read")]
-        ok &= close(f"{variant} S={S} L={L} triton per-read vs torch", outs[("triton", "per_read")], ref, 1e-4)
+            outs[backend, schedule, group] = torch.cat([out.flatten()] + [t.flatten() for t in grads])
+        triton_kernels.READER_GROUP = None
+        tag = f"{variant} S={S} L={L} triton"
+        ok &= close(f"{tag} per-read vs torch", outs["triton", "per_read", None], outs["torch", "per_read", None], 1e-4)
         # fp32 rounding through L layers and a squared loss: 1e-4 of the scale (the CPU tests hold
         # the two schedules to 1e-5 at small sizes)
-        ok &= close(f"{variant} S={S} L={L} triton two-phase vs per-read", outs[("triton", "two_phase")], outs[("triton", "per_read")], 1e-4)
+        ok &= close(f"{tag} two-phase vs per-read", outs["triton", "two_phase", None], outs["triton", "per_read", None], 1e-4)
+        ok &= close(f"{tag} two-phase, reader groups of 2 vs one", outs["triton", "two_phase", 2],
+                    outs["triton", "two_phase", None], 1e-5)
     # A bf16 autocast training step through the kernels vs the PyTorch path.
     cfg = ModelConfig(d_model=64 if smoke else 256, layers=2 if smoke else 4, n_heads=4, max_seq_len=256)
     idx = torch.randint(0, 256, (2, 9) if smoke else (4, 256), generator=g).to(dev)

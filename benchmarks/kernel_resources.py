@@ -6,6 +6,7 @@ H100/H200).
     python benchmarks/kernel_resources.py --variant full --d-model 2048 --heads 16
     python benchmarks/kernel_resources.py --fwd-tile 8192 --bwd-tile 4096  # other tile budgets
     python benchmarks/kernel_resources.py --bwd-warps 16                   # the backward at 16 warps
+    python benchmarks/kernel_resources.py --variant full --layers 12 --reader-group 4  # at most 4 readers a launch
 
 Why: on an H200 block's extra step time was its read kernels, the backward 4.2× the forward
 (benchmarks/RESULTS.md); how many programs fit on an SM is what a tile or kernel change moves first,
@@ -116,6 +117,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--fwd-tile", type=int, help="triton_kernels.FWD_TILE_ELEMS for this run")
     ap.add_argument("--bwd-tile", type=int, help="triton_kernels.BWD_TILE_ELEMS for this run")
     ap.add_argument("--bwd-warps", type=int, choices=[1, 2, 4, 8, 16, 32], help="triton_kernels.BWD_WARPS for this run")
+    ap.add_argument("--reader-group", type=int, help="triton_kernels.READER_GROUP for this run (readers a launch takes at most)")
     args = ap.parse_args(argv)
     from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig, kernels
 
@@ -123,12 +125,15 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--variant {args.variant}: unknown; allowed: {', '.join(VARIANTS)}")
     if not kernels.triton_available():
         ap.error("Triton is not installed (pip install triton)")
+    if args.reader_group is not None and args.reader_group < 1:
+        ap.error(f"--reader-group {args.reader_group}: allowed: a whole number from 1")
     compiled = compile_only(args.arch)
     from attnres.kernels import triton_kernels as tk
 
     tk.FWD_TILE_ELEMS = args.fwd_tile or tk.FWD_TILE_ELEMS
     tk.BWD_TILE_ELEMS = args.bwd_tile or tk.BWD_TILE_ELEMS
     tk.BWD_WARPS = args.bwd_warps or tk.BWD_WARPS
+    tk.READER_GROUP = args.reader_group or tk.READER_GROUP
     os.environ["TRITON_INTERPRET"] = "1"  # read by use_fused alone: lets the Triton path take CPU tensors
     kernels.set_backend("triton")
     try:
@@ -150,7 +155,7 @@ def main(argv=None) -> list[dict]:
     print(f"{'kernel':22s} {'specialisation':44s} {'warps':>5s} {'regs':>5s} {'local B':>7s} {'barriers':>8s} "
           f"{'progs/SM':>8s} {'occupancy':>9s}")
     for (name, constexprs, warps), kernel in sorted(compiled.items(), key=lambda kv: kv[0][0]):
-        spec = {k: v for k, v in constexprs if k in ("R", "R_PAD", "BLOCK_T", "W_PAD", "HAS_INIT", "D_PAD")}
+        spec = {k: v for k, v in constexprs if k in ("R", "R_PAD", "BLOCK_T", "W_PAD", "HAS_INIT", "ACCUMULATE", "D_PAD")}
         row = dict(kernel=name, spec=spec, warps=warps, **resources(kernel, tools, warps))
         rows.append(row)
         text = " ".join(f"{k}={v}" for k, v in spec.items())

@@ -5,7 +5,7 @@
 # budget has left, is stopped with SIGTERM at its limit (the benchmarks then report what they
 # measured), and a stage that fails or runs out does not stop the next. Results land in
 # ${OUT:-benchmarks/results}: gpu.txt (the machine, then every stage's output in turn) and one
-# JSON file per benchmark, seven files (a lent machine returns at most eight).
+# JSON file per benchmark, eight files (a lent machine returns at most eight).
 # fla-core, to race fla.ops.attnres.fused_attnres: wheels found in .whl/ are installed first, for
 # a machine that cannot reach an index (`pip download --no-deps -d .whl fla-core==0.6.0`; it needs
 # einops too). PYTHON picks the interpreter (default python3).
@@ -63,6 +63,8 @@ stage model_bench_full 120 "$py" benchmarks/model_bench.py --preset 194m --compi
   --rounds 8 --warmup 2 --profile 14 --json "$out/model_bench_cuda_194m_full.json"
 # 4. Block with one read per sublayer instead of the two-phase schedule (at op level per read was
 #    the faster of the two on the first H200 run): which one block should use on CUDA.
+ATTNRES_READER_GROUP=8 stage model_bench_full_groups 90 "$py" benchmarks/model_bench.py --preset 194m --compile \
+  --variants full --rounds 6 --warmup 2 --profile 8 --json "$out/model_bench_cuda_194m_full_groups8.json"
 ATTNRES_SCHEDULE=per_read stage model_bench_block_per_read 90 "$py" benchmarks/model_bench.py --preset 194m \
   --compile --variants block --rounds 6 --warmup 2 --json "$out/model_bench_cuda_194m_block_per_read.json"
 # 5. The fused reads' kernels against their wall time, and the Triton tile sizes (what is left).

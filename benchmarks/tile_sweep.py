@@ -3,14 +3,18 @@ work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, forward + backward of eve
 
     python benchmarks/tile_sweep.py                       # CUDA only
     python benchmarks/tile_sweep.py --fwd 2048,8192 --bwd 1024,4096 --reps 5
+    python benchmarks/tile_sweep.py --reader-groups 1,2,4 --fwd "" --bwd "" --bwd-warps ""
 
 First one profiled step of each implementation: the kernels' summed time against the step's wall
 time (a gap is host overhead: launches, pointer tables, autograd) and its costliest kernels. Then,
-with each forward tile budget (backward at its default) and each backward budget (forward at its
-default) and each backward warp count, the step's wall time and the read kernels' own time (profiled over 3 steps; at this work
-the step is host-bound, and its wall time moved by ±15% between runs, the kernels' time does not
-carry that noise): attnres.kernels.triton_kernels.FWD_TILE_ELEMS / BWD_TILE_ELEMS, the elements of
-one [readers, rows, head width] fp32 tile a program holds, and BWD_WARPS. Prints a table and writes JSON.
+with each reader group size, each backward warp count, each forward tile budget and each backward
+budget (one knob moved from the defaults at a time, in that order: a stage stopped at its time
+limit has timed the first ones), the step's wall time and the read kernels' own time (profiled over
+3 steps; at this work the step is host-bound, and its wall time moved by ±15% between runs, the
+kernels' time does not carry that noise). The knobs are attnres.kernels.triton_kernels'
+READER_GROUP (readers a launch takes at most: the two-phase schedule's phase-1 reads have S and
+S + 1 readers here), BWD_WARPS, and FWD_TILE_ELEMS / BWD_TILE_ELEMS, the elements of one
+[readers, rows, head width] fp32 tile a program holds. Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--fwd", default="2048,8192,16384", help="forward tile budgets to try besides the default")
     ap.add_argument("--bwd", default="1024,4096,8192", help="backward tile budgets to try besides the default")
     ap.add_argument("--bwd-warps", default="16", help="backward warps to try besides the default (by tile size)")
+    ap.add_argument("--reader-groups", default="1,2", help="readers per launch to try besides the default (all)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--json", default=str(Path(__file__).parent / "out" / "tile_sweep_cuda.json"))
@@ -56,25 +61,28 @@ def main(argv=None) -> dict:
     if not (torch.cuda.is_available() and kernels.triton_available()):
         ap.error("needs a CUDA device and Triton (torch.cuda.is_available() is False or Triton is missing)")
     try:
-        fwd_budgets, bwd_budgets, bwd_warps = ([int(x) for x in a.split(",") if x]
-                                               for a in (args.fwd, args.bwd, args.bwd_warps))
+        fwd_budgets, bwd_budgets, bwd_warps, groups = ([int(x) for x in a.split(",") if x]
+                                                       for a in (args.fwd, args.bwd, args.bwd_warps, args.reader_groups))
     except ValueError:
-        ap.error(f"--fwd {args.fwd!r} / --bwd {args.bwd!r} / --bwd-warps {args.bwd_warps!r}: "
-                 "comma-separated whole numbers")
+        ap.error(f"--fwd {args.fwd!r} / --bwd {args.bwd!r} / --bwd-warps {args.bwd_warps!r} / "
+                 f"--reader-groups {args.reader_groups!r}: comma-separated whole numbers")
     if any(w not in (1, 2, 4, 8, 16, 32) for w in bwd_warps):
         ap.error(f"--bwd-warps {args.bwd_warps!r}: allowed: powers of two from 1 to 32")
+    if any(g < 1 for g in groups):
+        ap.error(f"--reader-groups {args.reader_groups!r}: allowed: whole numbers from 1")
     from attnres.kernels import triton_kernels as tk
 
     S, L, N, d = 4, 32, 16384, 2048
     inputs = make_inputs(L, N, d, torch.bfloat16, torch.device("cuda"))
     impls = {"fused per read": ours("triton", "per_read", S), "fused two-phase": ours("triton", "two_phase", S)}
-    default = (tk.FWD_TILE_ELEMS, tk.BWD_TILE_ELEMS, tk.BWD_WARPS)
+    knobs = ("READER_GROUP", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS")
+    default = {k: getattr(tk, k) for k in knobs}
     info = dict(machine=machine(), sublayers=L, block_size=S, tokens=N, d=d, reps=args.reps, default=default,
                 profiles={}, rows=[])
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    configs = ([default] + [(f, default[1], default[2]) for f in fwd_budgets]
-               + [(default[0], b, default[2]) for b in bwd_budgets] + [(default[0], default[1], w) for w in bwd_warps])
+    configs = [default] + [{**default, k: v} for k, values in zip(knobs, (groups, bwd_warps, fwd_budgets, bwd_budgets))
+                           for v in values]
     sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a time limit stops it as Ctrl-C
     try:
         for name, fn in impls.items():
@@ -85,24 +93,29 @@ def main(argv=None) -> dict:
             for r in prof["top"]:
                 print(f"  {r['ms']:8.2f} ms {r['calls']:5d}x  {r['name'][:90]}", flush=True)
         # Per implementation: the step's median wall time, then the read kernels' time, forward/backward.
-        print(f"{'fwd elems':>9s} {'bwd elems':>9s} {'bwd warps':>9s} "
+        print(f"{'readers':>7s} {'bwd warps':>9s} {'fwd elems':>9s} {'bwd elems':>9s} "
               + " ".join(f"{n + ': step, fwd/bwd ms':>38s}" for n in impls), flush=True)
-        for fwd, bwd, warps in configs:
-            tk.FWD_TILE_ELEMS, tk.BWD_TILE_ELEMS, tk.BWD_WARPS = fwd, bwd, warps
-            row = dict(fwd_tile_elems=fwd, bwd_tile_elems=bwd, bwd_warps=warps, ms={}, read_fwd_ms={}, read_bwd_ms={})
+        for config in configs:
+            for k, v in config.items():
+                setattr(tk, k, v)
+            row = dict(reader_group=config["READER_GROUP"], bwd_warps=config["BWD_WARPS"],
+                       fwd_tile_elems=config["FWD_TILE_ELEMS"], bwd_tile_elems=config["BWD_TILE_ELEMS"],
+                       ms={}, read_fwd_ms={}, read_bwd_ms={})
             for name, fn in impls.items():
                 row["ms"][name] = bench(fn, inputs, args.reps, 2, True)[0]
                 prof = profiled(fn, inputs, 0, steps=3)
                 row["read_fwd_ms"][name], row["read_bwd_ms"][name] = prof["read_fwd_ms"], prof["read_bwd_ms"]
             info["rows"].append(row)
-            print(f"{fwd:9d} {bwd:9d} {warps or 'by size':>9} " + " ".join(
+            print(f"{row['reader_group'] or 'all':>7} {row['bwd_warps'] or 'by size':>9} {row['fwd_tile_elems']:9d} "
+                  f"{row['bwd_tile_elems']:9d} " + " ".join(
                 f"{row['ms'][n]:20.2f} {row['read_fwd_ms'][n]:7.2f}/{row['read_bwd_ms'][n]:<7.2f}" for n in impls), flush=True)
             out.write_text(json.dumps(info, indent=2))
     except KeyboardInterrupt:
         print(f"# interrupted: {len(info['rows'])} of {len(configs)} configurations timed", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, sigterm)
-        tk.FWD_TILE_ELEMS, tk.BWD_TILE_ELEMS, tk.BWD_WARPS = default
+        for k, v in default.items():
+            setattr(tk, k, v)
         kernels.set_backend(None)
         kernels.set_schedule(None)
     out.write_text(json.dumps(info, indent=2))

@@ -268,10 +268,26 @@ def experiment_id(client, name: str, uri: str) -> str:
         exp_id = found.experiment_id
         if found.lifecycle_stage == "deleted":  # deleted in the UI: runs cannot start in it
             client.restore_experiment(exp_id)
-    tags = client.get_experiment(exp_id).tags
-    if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
-        client.set_experiment_tag(exp_id, *EXPERIMENT_KIND)
+    mark_model_training(client, exp_id)
     return exp_id
+
+
+def mark_model_training(client, exp_id: str) -> None:
+    """Tag experiment `exp_id` so that the MLflow 3 UI opens it as model training (RUN_SCHEMA).
+
+    Two processes starting together (the workers of one Optuna study) may both find the tag
+    missing and both set it; on a tracking server over PostgreSQL the second insert then fails on
+    the tag's unique key. The tag being there is what was asked, so that failure is not an error."""
+    from mlflow.exceptions import MlflowException
+
+    key, value = EXPERIMENT_KIND
+    if client.get_experiment(exp_id).tags.get(key) == value:
+        return
+    try:
+        client.set_experiment_tag(exp_id, key, value)
+    except MlflowException:
+        if client.get_experiment(exp_id).tags.get(key) != value:
+            raise
 
 
 def param_value(value: Any) -> str:

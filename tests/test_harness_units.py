@@ -299,6 +299,34 @@ def test_parent_run_id_makes_the_run_a_child_of_that_parent(tmp_path):
     assert child.data.metrics["final/val_loss"] == value and math.isfinite(value)
 
 
+def test_a_model_training_tag_set_by_another_process_in_between_is_not_an_error(tmp_path, monkeypatch):
+    """Two sweep workers starting together both found the tag missing; the second insert failed on
+    the tag's unique key (an MLflow server over PostgreSQL, under load). Here the other process's
+    insert lands between our look and our set, which then fails as the server's did: the tag is
+    there, so nothing is raised. A set that fails with the tag absent still raises."""
+    from mlflow.exceptions import MlflowException
+
+    from harness.tracking import EXPERIMENT_KIND, client_for, mark_model_training
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ours, other = client_for(uri), client_for(uri)
+    exp = ours.create_experiment("race")
+    real_set = ours.set_experiment_tag
+
+    def raced(exp_id, key, value):
+        real_set(exp_id, key, value)  # the other worker's insert, first
+        raise MlflowException("duplicate key value violates unique constraint \"experiment_tag_pk\"")
+
+    monkeypatch.setattr(ours, "set_experiment_tag", raced)
+    mark_model_training(ours, exp)
+    assert other.get_experiment(exp).tags[EXPERIMENT_KIND[0]] == EXPERIMENT_KIND[1]
+
+    lost = ours.create_experiment("lost")
+    monkeypatch.setattr(ours, "set_experiment_tag", lambda *a: (_ for _ in ()).throw(MlflowException("server down")))
+    with pytest.raises(MlflowException, match="server down"):
+        mark_model_training(ours, lost)
+
+
 def test_tracking_off_still_trains_and_returns_the_loss(tmp_path):
     value = job.run(compose(_overrides(tmp_path, "tracking=off")))
     assert math.isfinite(value) and not (tmp_path / "mlflow.db").exists()

@@ -103,6 +103,37 @@ def test_triton_backward_programs_walking_several_row_tiles(path, monkeypatch, v
     _compare(walked, want, TOL, f"{variant}, 2-row tiles vs the PyTorch path")
 
 
+@needs_triton
+@pytest.mark.parametrize("variant,num_layers", [("full", FULL_CHUNK), ("block_multihead", 8), ("full_sigmoid", 5)])
+def test_triton_reads_in_reader_groups_equal_one_group(path, monkeypatch, variant, num_layers):
+    """READER_GROUP splits a read's readers over launches (Full's last phase-1 read has FULL_CHUNK
+    + 1 readers: groups of 2 and 3 leave a group of 1; block at S = 3 reads with 3 and 4), the
+    later groups adding to the sources' gradients: outputs and gradients equal one group's to
+    1e-6 (fp32; only the order of the sums over readers changes), and the PyTorch path's to 1e-4."""
+    from attnres.kernels import triton_kernels
+
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    subs, ws = _sublayers(num_layers)
+    res = _module(variant, num_layers, block_size=3)
+    path("torch", "per_read")
+    want = _run(res, x, subs, ws)
+    path("triton", "two_phase")
+    one_group = _run(res, x, subs, ws)
+    for size in (1, 2, 3):
+        if size == 2:  # through the environment variable, as a benchmark run sets it
+            monkeypatch.setenv("ATTNRES_READER_GROUP", "2")
+        monkeypatch.setattr(triton_kernels, "READER_GROUP", None if size == 2 else size)
+        assert triton_kernels._reader_groups(7)[:2] == [(0, size), (size, 2 * size)]
+        grouped = _run(res, x, subs, ws)
+        monkeypatch.delenv("ATTNRES_READER_GROUP", raising=False)
+        _compare(grouped, one_group, dict(rtol=1e-6, atol=1e-6), f"{variant}, groups of {size} vs one group")
+        _compare(grouped, want, TOL, f"{variant}, groups of {size} vs the PyTorch path")
+    monkeypatch.setattr(triton_kernels, "READER_GROUP", None)
+    monkeypatch.setenv("ATTNRES_READER_GROUP", "0")
+    with pytest.raises(ValueError, match="ATTNRES_READER_GROUP='0' is not allowed; allowed: a positive integer"):
+        _run(res, x, subs, ws)
+
+
 @pytest.mark.parametrize("backend", FUSED)
 def test_kernel_single_source_and_long_source_list(path, backend):
     path(backend)

@@ -136,7 +136,7 @@ def _read_bwd_kernel(
     n_src, n_rows, n_tiles, reader_stride, d, H, W,
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
-    HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     # dL/dt_i = α_i (B_i − Δ) with B_i = g·v_i and Δ = Σ_i α_i B_i − g_lse. Δ is accumulated here
     # in fp32 from the sources rather than taken as g·out from the stored output, which may be
@@ -150,6 +150,8 @@ def _read_bwd_kernel(
     # Each program walks row tiles pid, pid + P, … (P programs, a few per SM): a static query's
     # gradient is summed over its tiles in its own slice of dq, so the partial sums the wrapper
     # adds up are P, not one per tile (16k of them at BLOCK_T = 1 and d = 2048).
+    # ACCUMULATE: the readers are one group of several (READER_GROUP); the sources' gradients and
+    # 1/rms gradients are added to what the groups before wrote (each element by one program).
     pid = tl.program_id(0)
     cols = tl.arange(0, W_PAD)
     readers = tl.arange(0, R_PAD)
@@ -248,11 +250,16 @@ def _read_bwd_kernel(
                 ds = ds * _sigmoid(-(qv * rho))
             # value path α·g plus key path ds·ρ·q, summed over the readers: one write per source.
             dv = _sum(alpha[:, :, None] * g + (ds * rho)[:, :, None] * q, 0)
+            if ACCUMULATE:
+                dv += tl.load(dsrc_i + tile, mask=tile_ok, other=0.0).to(tl.float32)
             tl.store(dsrc_i + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=tile_ok)
             dsrc_i += reader_stride
             if KEY_NORM:
                 # ∂s/∂ρ = q·v; the rms backward (shared by all readers of the source) runs once, outside.
-                tl.store(drms_i + rows, _sum(ds * qv, 0), mask=row_ok)
+                drho = _sum(ds * qv, 0)
+                if ACCUMULATE:
+                    drho += tl.load(drms_i + rows, mask=row_ok, other=0.0)
+                tl.store(drms_i + rows, drho, mask=row_ok)
                 drms_i += n_rows
 
         if PER_TOKEN:
@@ -299,6 +306,26 @@ def _pow2(n: int) -> int:
 # (None: by the tile's size, as the forward's). benchmarks/tile_sweep.py times other values,
 # benchmarks/kernel_resources.py counts their registers without a GPU.
 FWD_TILE_ELEMS, BWD_TILE_ELEMS, BWD_WARPS = 4096, 2048, None
+
+# Readers one launch takes at most (None: all of a read's readers). A tile holds R readers padded
+# to a power of two: Full's last phase-1 read (8 sublayers and the output read) has 9, padded to
+# 16, and its backward spills registers when compiled for sm_90a (benchmarks/RESULTS.md). Groups of
+# at most READER_GROUP readers pad less and hold smaller tiles, for one more read of the sources
+# per group (the backward adds each group's source gradients to the last's). Which is faster is a
+# GPU measurement (benchmarks/tile_sweep.py --reader-groups, or ATTNRES_READER_GROUP=k for any
+# run, which this constant, when set, overrides); until one says, one group.
+READER_GROUP = None
+
+
+def _reader_groups(R: int) -> list[tuple[int, int]]:
+    size = READER_GROUP
+    if size is None:
+        text = os.environ.get("ATTNRES_READER_GROUP", "").strip()
+        if text and (not text.isdigit() or int(text) < 1):
+            raise ValueError(f"ATTNRES_READER_GROUP={text!r} is not allowed; allowed: a positive integer (readers "
+                             "a Triton launch takes at most) or unset (all of a read's readers)")
+        size = int(text) if text else R
+    return [(r0, min(r0 + size, R)) for r0 in range(0, R, size)]
 
 
 def _tiles(r_pad: int, w_pad: int, backward: bool = False) -> tuple[int, int]:
@@ -350,18 +377,20 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     device = ref.device
     out = torch.empty(R, N, d, device=device, dtype=out_dtype)
     lse = torch.empty(R, N, H, device=device, dtype=torch.float32)
-    r_pad, w_pad = _pow2(R), _pow2(W)
-    block_t, warps = _tiles(r_pad, w_pad)
-    n_rows = N * H
+    w_pad, n_rows = _pow2(W), N * H
     src_table = _table(sources, device) if sources else torch.zeros(1, dtype=torch.int64, device=device)
     rms_table = _table(inv_rms, device) if inv_rms else src_table
     has_init = init_out is not None
-    _read_fwd_kernel[(triton.cdiv(n_rows, block_t),)](
-        src_table, rms_table, ref, query, init_out if has_init else out, init_lse if has_init else lse,
-        out, lse, len(sources), n_rows, N * d, d, H, W,
-        R=R, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=bool(inv_rms), SIGMOID=sigmoid,
-        PER_TOKEN=per_token, HAS_INIT=has_init, ALIGNED=_aligned(sources), num_warps=warps,
-    )
+    for r0, r1 in _reader_groups(R):  # readers r0..r1-1: slices of the (R, …) tensors
+        r_pad = _pow2(r1 - r0)
+        block_t, warps = _tiles(r_pad, w_pad)
+        _read_fwd_kernel[(triton.cdiv(n_rows, block_t),)](
+            src_table, rms_table, ref, query if per_token else query[r0:r1],
+            init_out[r0:r1] if has_init else out, init_lse[r0:r1] if has_init else lse,
+            out[r0:r1], lse[r0:r1], len(sources), n_rows, N * d, d, H, W,
+            R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=bool(inv_rms), SIGMOID=sigmoid,
+            PER_TOKEN=per_token, HAS_INIT=has_init, ALIGNED=_aligned(sources), num_warps=warps,
+        )
     return out, lse
 
 
@@ -372,11 +401,8 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     H, W = heads, d // heads
     device = grad_out.device
     n = len(sources)
-    r_pad, w_pad = _pow2(R), _pow2(W)
-    block_t, warps = _tiles(r_pad, w_pad, backward=True)
-    n_rows = N * H
-    n_tiles = triton.cdiv(n_rows, block_t)
-    grid = _programs(n_tiles, device)
+    w_pad, n_rows = _pow2(W), N * H
+    groups = _reader_groups(R)
     key_norm = bool(inv_rms)
     dsrc = torch.empty(n, N, d, device=device, dtype=sources[0].dtype if n else grad_out.dtype)
     drms = torch.empty(n, n_rows, device=device, dtype=torch.float32) if key_norm else dsrc
@@ -385,26 +411,36 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
         dq = torch.empty(N, d, device=device, dtype=torch.float32)
     elif dq_rows:
         dq = torch.empty(R, N, d, device=device, dtype=torch.float32)
-    else:
-        dq = torch.zeros(grid, r_pad, W, device=device, dtype=torch.float32)
+    else:  # per group, one slice per program (see the kernel), summed below
+        dq = []
     has_init = init_out is not None
     do0 = torch.empty(R, N, d, device=device, dtype=init_out.dtype) if has_init else grad_out
     dlse0 = torch.empty(R, N, H, device=device, dtype=torch.float32) if has_init else lse
-    scratch = torch.empty(max(n, 1), 3, r_pad, n_rows, device=device, dtype=torch.float32)
+    scratch = torch.empty(max(n, 1), 3, max(_pow2(r1 - r0) for r0, r1 in groups), n_rows, device=device, dtype=torch.float32)
     src_table = _table(sources, device) if n else torch.zeros(1, dtype=torch.int64, device=device)
     rms_table = _table(inv_rms, device) if key_norm else src_table
-    _read_bwd_kernel[(grid,)](
-        src_table, rms_table, sources[0] if n else grad_out, query, init_out if has_init else grad_out,
-        init_lse if has_init else lse, lse, grad_out, grad_lse if grad_lse is not None else lse,
-        dsrc, drms, dq, do0, dlse0, scratch, n, n_rows, n_tiles, N * d, d, H, W,
-        R=R, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
-        PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
-        ALIGNED=_aligned(sources), num_warps=warps,
-    )
+    for r0, r1 in groups:  # readers r0..r1-1: slices of the (R, …) tensors
+        r_pad = _pow2(r1 - r0)
+        block_t, warps = _tiles(r_pad, w_pad, backward=True)
+        n_tiles = triton.cdiv(n_rows, block_t)
+        grid = _programs(n_tiles, device)
+        if isinstance(dq, list):
+            dq.append(torch.zeros(grid, r_pad, W, device=device, dtype=torch.float32))
+        _read_bwd_kernel[(grid,)](
+            src_table, rms_table, sources[0] if n else grad_out, query if per_token else query[r0:r1],
+            init_out[r0:r1] if has_init else grad_out, init_lse[r0:r1] if has_init else lse, lse[r0:r1],
+            grad_out[r0:r1], grad_lse[r0:r1] if grad_lse is not None else lse,
+            dsrc, drms, dq if per_token else dq[r0:r1] if dq_rows else dq[-1],
+            do0[r0:r1] if has_init else do0, dlse0[r0:r1] if has_init else dlse0, scratch,
+            n, n_rows, n_tiles, N * d, d, H, W,
+            R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
+            PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
+            ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, num_warps=warps,
+        )
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
     elif not per_token:
-        dq = dq.sum(0)[:R]
+        dq = torch.cat([part.sum(0)[: r1 - r0] for part, (r0, r1) in zip(dq, groups)])
     d_rms = drms.view(n, N, H).sum(-1) if key_norm else None  # the heads of a token share its rms
     return dsrc, d_rms, dq, (do0 if has_init else None), (dlse0 if has_init else None)
 

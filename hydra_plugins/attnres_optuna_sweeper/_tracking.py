@@ -40,6 +40,8 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
+from harness.tracking import mark_model_training
+
 from ._ledger import FAILURE_ATTR, Ledger, is_genuine_failure
 from ._storage import absolute_sqlite, sqlite_init_lock
 from .config import MlflowConf
@@ -128,10 +130,7 @@ class StudyTracker:
                     ).experiment_id
             else:
                 self.experiment_id = found.experiment_id
-        # RUN_SCHEMA: experiments open in the UI's model-training view.
-        self.client.set_experiment_tag(
-            self.experiment_id, "mlflow.experimentKind", "custom_model_development"
-        )
+        mark_model_training(self.client, self.experiment_id)  # RUN_SCHEMA: the UI's model-training view
 
     # -- parent run ---------------------------------------------------------------------------
 
