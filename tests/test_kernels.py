@@ -134,6 +134,27 @@ def test_triton_reads_in_reader_groups_equal_one_group(path, monkeypatch, varian
         _run(res, x, subs, ws)
 
 
+@needs_triton
+def test_pointer_tables_are_kept_by_their_pointers(monkeypatch):
+    """A read's table holds its sources' data pointers, then their 1/rms' (a view from the n-th
+    entry); the same pointers again find the same table, other pointers another one, and the
+    oldest table goes first when the cache is full."""
+    from attnres.kernels import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_TABLES", {})
+    monkeypatch.setattr(triton_kernels, "_TABLES_KEPT", 2)
+    cpu = torch.device("cpu")
+    a, b, ra, rb = (torch.randn(4, 3), torch.randn(4, 3), torch.randn(4), torch.randn(4))
+    src, rms = triton_kernels._tables([a, b], [ra, rb], cpu)
+    assert src.tolist() == [t.data_ptr() for t in (a, b, ra, rb)] and rms.tolist() == [ra.data_ptr(), rb.data_ptr()]
+    again, _ = triton_kernels._tables([a, b], [ra, rb], cpu)
+    assert again is src
+    raw, raw_rms = triton_kernels._tables([b, a], [], cpu)  # raw keys: one table, both names
+    assert raw.tolist() == [b.data_ptr(), a.data_ptr()] and raw_rms is raw
+    triton_kernels._tables([a], [], cpu)  # a third table: the first one goes
+    assert triton_kernels._tables([a, b], [ra, rb], cpu)[0] is not src
+
+
 @pytest.mark.parametrize("backend", FUSED)
 def test_kernel_single_source_and_long_source_list(path, backend):
     path(backend)

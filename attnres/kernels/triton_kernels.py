@@ -343,13 +343,33 @@ def _tiles(r_pad: int, w_pad: int, backward: bool = False) -> tuple[int, int]:
     return t, (4 if elems <= 2048 else 8 if elems <= 8192 else 16)
 
 
-def _table(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    if device.type == "cuda":
-        # From pinned memory (torch's caching host allocator) the copy is asynchronous; from pageable
-        # memory CUDA may make the host wait, and a wait in every read would drain the launch queue.
-        table = table.pin_memory()
-    return table.to(device, non_blocking=True)
+# Pointer tables by device, stream and pointers (the key is the table's content, so a hit is always
+# right). With the caching allocator a training step's tensors come back at the same addresses, so
+# from the second step on a read finds its table here instead of building one and copying it to
+# the device: on a GPU each build is a host tensor, a pinned copy and a host-to-device copy.
+_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLES_KEPT = 1024
+
+
+def _tables(sources: list[torch.Tensor], inv_rms: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device tables of the sources' and their 1/rms' data pointers (one table, two views)."""
+    if not sources and not inv_rms:
+        table = torch.zeros(1, dtype=torch.int64, device=device)  # not read (no source): any pointer
+        return table, table
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, *(t.data_ptr() for t in sources), *(t.data_ptr() for t in inv_rms))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            del _TABLES[next(iter(_TABLES))]  # the oldest
+        table = torch.tensor(key[2:], dtype=torch.int64)
+        if device.type == "cuda":
+            # From pinned memory (torch's caching host allocator) the copy is asynchronous; from pageable
+            # memory CUDA may make the host wait, and a wait in every read would drain the launch queue.
+            table = table.pin_memory()
+        table = _TABLES[key] = table.to(device, non_blocking=True)
+    n = len(sources)
+    return table, (table[n:] if inv_rms else table)
 
 
 def _aligned(tensors: list[torch.Tensor]) -> bool:
@@ -378,8 +398,7 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     out = torch.empty(R, N, d, device=device, dtype=out_dtype)
     lse = torch.empty(R, N, H, device=device, dtype=torch.float32)
     w_pad, n_rows = _pow2(W), N * H
-    src_table = _table(sources, device) if sources else torch.zeros(1, dtype=torch.int64, device=device)
-    rms_table = _table(inv_rms, device) if inv_rms else src_table
+    src_table, rms_table = _tables(sources, inv_rms, device)
     has_init = init_out is not None
     for r0, r1 in _reader_groups(R):  # readers r0..r1-1: slices of the (R, …) tensors
         r_pad = _pow2(r1 - r0)
@@ -417,8 +436,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     do0 = torch.empty(R, N, d, device=device, dtype=init_out.dtype) if has_init else grad_out
     dlse0 = torch.empty(R, N, H, device=device, dtype=torch.float32) if has_init else lse
     scratch = torch.empty(max(n, 1), 3, max(_pow2(r1 - r0) for r0, r1 in groups), n_rows, device=device, dtype=torch.float32)
-    src_table = _table(sources, device) if n else torch.zeros(1, dtype=torch.int64, device=device)
-    rms_table = _table(inv_rms, device) if key_norm else src_table
+    src_table, rms_table = _tables(sources, inv_rms, device)
     for r0, r1 in groups:  # readers r0..r1-1: slices of the (R, …) tensors
         r_pad = _pow2(r1 - r0)
         block_t, warps = _tiles(r_pad, w_pad, backward=True)
