@@ -293,18 +293,20 @@ def test_model_bench_profile_names_each_variants_costliest_operators(tmp_path, c
 def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_path):
     """kernel_resources.py compiles, for sm_90a and without a GPU, every Triton kernel one block
     step launches and reads registers and occupancy from the cubins; --bwd-warps reaches the
-    backward alone. In a child process: it replaces Triton's active driver for good."""
+    backward alone; --reader-group 1 makes every read launch one reader, the backward's later
+    launches accumulating. In a child process: it replaces Triton's active driver for good."""
     import subprocess
 
     pytest.importorskip("triton")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
             "print(json.dumps([kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2']), "
-            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--bwd-warps', '16'])]))")
+            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--bwd-warps', '16']), "
+            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--reader-group', '1'])]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], capture_output=True, text=True,
                        env=env, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    default, sixteen = json.loads(r.stdout.strip().splitlines()[-1])
+    default, sixteen, single = json.loads(r.stdout.strip().splitlines()[-1])
     names = {row["kernel"] for row in default}
     assert {"_read_fwd_kernel", "_read_bwd_kernel", "_inv_rms_fwd_kernel", "_inv_rms_bwd_kernel"} <= names, names
     for row in default:
@@ -313,3 +315,27 @@ def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_pa
     assert all(row["warps"] < 16 for row in default if row["kernel"] == "_read_bwd_kernel")
     assert ([row["warps"] for row in sixteen if row["kernel"] == "_read_fwd_kernel"]
             == [row["warps"] for row in default if row["kernel"] == "_read_fwd_kernel"])
+    reads = lambda rows: [row for row in rows if row["kernel"].startswith("_read_")]  # noqa: E731
+    assert {row["spec"]["R"] for row in reads(default)} == {1, 2, 3} and {row["spec"]["R"] for row in reads(single)} == {1}
+    assert any(row["spec"].get("ACCUMULATE") for row in single) and not any(row["spec"].get("ACCUMULATE") for row in default)
+
+
+@pytest.mark.slow  # compiles the step's Triton kernels to cubins
+def test_host_time_times_both_schedules_with_launches_that_run_nothing(tmp_path):
+    """host_time.py: op_bench's step on CPU tensors with every kernel compiled for sm_90a and launched
+    as a no-op, both schedules timed; the kernels it compiled are the read and 1/rms kernels. In a
+    child process (the stand-in driver stays active for good)."""
+    import subprocess
+
+    pytest.importorskip("triton")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import host_time; "
+            "print(json.dumps(host_time.main(['--sublayers', '4', '--block-size', '2', '--d', '64', '--reps', '2'])))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], capture_output=True, text=True,
+                       env=env, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    times, names = result["ms"], result["kernels"]
+    assert set(times) == {"two_phase", "per_read"} and all(ms > 0 for ms in times.values()), times
+    assert names == ["_inv_rms_bwd_kernel", "_inv_rms_fwd_kernel", "_read_bwd_kernel", "_read_fwd_kernel"], names
+    assert "two_phase: host" in r.stdout and "per_read : host" in r.stdout
