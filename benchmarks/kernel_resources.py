@@ -7,6 +7,7 @@ H100/H200).
     python benchmarks/kernel_resources.py --fwd-tile 8192 --bwd-tile 4096  # other tile budgets
     python benchmarks/kernel_resources.py --bwd-warps 16                   # the backward at 16 warps
     python benchmarks/kernel_resources.py --variant full --layers 12 --reader-group 4  # at most 4 readers a launch
+    python benchmarks/kernel_resources.py --bwd-dq-second-pass             # the backward's dq from a second read
 
 Why: on an H200 block's extra step time was its read kernels, the backward 4.2× the forward
 (benchmarks/RESULTS.md); how many programs fit on an SM is what a tile or kernel change moves first,
@@ -118,6 +119,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--bwd-tile", type=int, help="triton_kernels.BWD_TILE_ELEMS for this run")
     ap.add_argument("--bwd-warps", type=int, choices=[1, 2, 4, 8, 16, 32], help="triton_kernels.BWD_WARPS for this run")
     ap.add_argument("--reader-group", type=int, help="triton_kernels.READER_GROUP for this run (readers a launch takes at most)")
+    ap.add_argument("--bwd-dq-second-pass", action="store_true", help="triton_kernels.BWD_DQ_SECOND_PASS for this run")
     args = ap.parse_args(argv)
     from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig, kernels
 
@@ -134,6 +136,7 @@ def main(argv=None) -> list[dict]:
     tk.BWD_TILE_ELEMS = args.bwd_tile or tk.BWD_TILE_ELEMS
     tk.BWD_WARPS = args.bwd_warps or tk.BWD_WARPS
     tk.READER_GROUP = args.reader_group or tk.READER_GROUP
+    tk.BWD_DQ_SECOND_PASS = args.bwd_dq_second_pass or tk.BWD_DQ_SECOND_PASS
     os.environ["TRITON_INTERPRET"] = "1"  # read by use_fused alone: lets the Triton path take CPU tensors
     kernels.set_backend("triton")
     try:
@@ -155,7 +158,8 @@ def main(argv=None) -> list[dict]:
     print(f"{'kernel':22s} {'specialisation':44s} {'warps':>5s} {'regs':>5s} {'local B':>7s} {'barriers':>8s} "
           f"{'progs/SM':>8s} {'occupancy':>9s}")
     for (name, constexprs, warps), kernel in sorted(compiled.items(), key=lambda kv: kv[0][0]):
-        spec = {k: v for k, v in constexprs if k in ("R", "R_PAD", "BLOCK_T", "W_PAD", "HAS_INIT", "ACCUMULATE", "D_PAD")}
+        spec = {k: v for k, v in constexprs if k in ("R", "R_PAD", "BLOCK_T", "W_PAD", "HAS_INIT", "ACCUMULATE",
+                                                      "DQ_SECOND_PASS", "D_PAD")}
         row = dict(kernel=name, spec=spec, warps=warps, **resources(kernel, tools, warps))
         rows.append(row)
         text = " ".join(f"{k}={v}" for k, v in spec.items())

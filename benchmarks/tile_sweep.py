@@ -1,4 +1,4 @@
-"""Where the fused reads spend their time on a GPU, and how the Triton tile size moves it: op_bench's
+"""Where the fused reads spend their time on a GPU, and how the Triton knobs move it: op_bench's
 work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, forward + backward of every read).
 
     python benchmarks/tile_sweep.py                       # CUDA only
@@ -7,14 +7,15 @@ work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, forward + backward of eve
 
 First one profiled step of each implementation: the kernels' summed time against the step's wall
 time (a gap is host overhead: launches, pointer tables, autograd) and its costliest kernels. Then,
-with each reader group size, each backward warp count, each forward tile budget and each backward
-budget (one knob moved from the defaults at a time, in that order: a stage stopped at its time
-limit has timed the first ones), the step's wall time and the read kernels' own time (profiled over
-3 steps; at this work the step is host-bound, and its wall time moved by ±15% between runs, the
-kernels' time does not carry that noise). The knobs are attnres.kernels.triton_kernels'
-READER_GROUP (readers a launch takes at most: the two-phase schedule's phase-1 reads have S and
-S + 1 readers here), BWD_WARPS, and FWD_TILE_ELEMS / BWD_TILE_ELEMS, the elements of one
-[readers, rows, head width] fp32 tile a program holds. Prints a table and writes JSON.
+with each reader group size, the backward's dq from a second read, each backward warp count, each
+forward tile budget and each backward budget (one knob moved from the defaults at a time, in that
+order: a stage stopped at its time limit has timed the first ones), the step's wall time and the
+read kernels' own time (profiled over 3 steps; at this work the step is host-bound, and its wall
+time moved by ±15% between runs, the kernels' time does not carry that noise). The knobs are
+attnres.kernels.triton_kernels' READER_GROUP (readers a launch takes at most: the two-phase
+schedule's phase-1 reads have S and S + 1 readers here), BWD_DQ_SECOND_PASS, BWD_WARPS, and
+FWD_TILE_ELEMS / BWD_TILE_ELEMS, the elements of one [readers, rows, head width] fp32 tile a
+program holds. Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--bwd", default="1024,4096,8192", help="backward tile budgets to try besides the default")
     ap.add_argument("--bwd-warps", default="16", help="backward warps to try besides the default (by tile size)")
     ap.add_argument("--reader-groups", default="1,2", help="readers per launch to try besides the default (all)")
+    ap.add_argument("--no-dq-second-pass", action="store_true", help="do not try the backward's dq from a second read")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--json", default=str(Path(__file__).parent / "out" / "tile_sweep_cuda.json"))
@@ -75,14 +77,14 @@ def main(argv=None) -> dict:
     S, L, N, d = 4, 32, 16384, 2048
     inputs = make_inputs(L, N, d, torch.bfloat16, torch.device("cuda"))
     impls = {"fused per read": ours("triton", "per_read", S), "fused two-phase": ours("triton", "two_phase", S)}
-    knobs = ("READER_GROUP", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS")
+    knobs = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS")
     default = {k: getattr(tk, k) for k in knobs}
     info = dict(machine=machine(), sublayers=L, block_size=S, tokens=N, d=d, reps=args.reps, default=default,
                 profiles={}, rows=[])
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    configs = [default] + [{**default, k: v} for k, values in zip(knobs, (groups, bwd_warps, fwd_budgets, bwd_budgets))
-                           for v in values]
+    tried = (groups, [] if args.no_dq_second_pass else [True], bwd_warps, fwd_budgets, bwd_budgets)
+    configs = [default] + [{**default, k: v} for k, values in zip(knobs, tried) for v in values]
     sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a time limit stops it as Ctrl-C
     try:
         for name, fn in impls.items():
@@ -93,12 +95,13 @@ def main(argv=None) -> dict:
             for r in prof["top"]:
                 print(f"  {r['ms']:8.2f} ms {r['calls']:5d}x  {r['name'][:90]}", flush=True)
         # Per implementation: the step's median wall time, then the read kernels' time, forward/backward.
-        print(f"{'readers':>7s} {'bwd warps':>9s} {'fwd elems':>9s} {'bwd elems':>9s} "
+        print(f"{'readers':>7s} {'dq pass':>7s} {'bwd warps':>9s} {'fwd elems':>9s} {'bwd elems':>9s} "
               + " ".join(f"{n + ': step, fwd/bwd ms':>38s}" for n in impls), flush=True)
         for config in configs:
             for k, v in config.items():
                 setattr(tk, k, v)
-            row = dict(reader_group=config["READER_GROUP"], bwd_warps=config["BWD_WARPS"],
+            row = dict(reader_group=config["READER_GROUP"], dq_second_pass=config["BWD_DQ_SECOND_PASS"],
+                       bwd_warps=config["BWD_WARPS"],
                        fwd_tile_elems=config["FWD_TILE_ELEMS"], bwd_tile_elems=config["BWD_TILE_ELEMS"],
                        ms={}, read_fwd_ms={}, read_bwd_ms={})
             for name, fn in impls.items():
@@ -106,7 +109,8 @@ def main(argv=None) -> dict:
                 prof = profiled(fn, inputs, 0, steps=3)
                 row["read_fwd_ms"][name], row["read_bwd_ms"][name] = prof["read_fwd_ms"], prof["read_bwd_ms"]
             info["rows"].append(row)
-            print(f"{row['reader_group'] or 'all':>7} {row['bwd_warps'] or 'by size':>9} {row['fwd_tile_elems']:9d} "
+            print(f"{row['reader_group'] or 'all':>7} {'second' if row['dq_second_pass'] else 'first':>7} "
+                  f"{row['bwd_warps'] or 'by size':>9} {row['fwd_tile_elems']:9d} "
                   f"{row['bwd_tile_elems']:9d} " + " ".join(
                 f"{row['ms'][n]:20.2f} {row['read_fwd_ms'][n]:7.2f}/{row['read_bwd_ms'][n]:<7.2f}" for n in impls), flush=True)
             out.write_text(json.dumps(info, indent=2))

@@ -191,8 +191,8 @@ def test_gpu_check_script_runs_under_the_triton_interpreter():
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     lines = r.stdout.splitlines()
     assert lines[-1] == "ALL OK" and not any(line.startswith("FAIL") for line in lines)
-    # reads (8 cases, output and gradients, two dtypes), schedules (5 variants, 3 comparisons), training
-    assert sum(line.startswith("ok ") for line in lines) == 2 * 8 * 2 + 5 * 3 + 2
+    # reads (8 cases, output and gradients, two dtypes), schedules (5 variants, 4 comparisons), training
+    assert sum(line.startswith("ok ") for line in lines) == 2 * 8 * 2 + 5 * 4 + 2
 
 
 def test_op_bench_peak_memory_is_measured_above_the_inputs_alone(monkeypatch):
@@ -294,19 +294,20 @@ def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_pa
     """kernel_resources.py compiles, for sm_90a and without a GPU, every Triton kernel one block
     step launches and reads registers and occupancy from the cubins; --bwd-warps reaches the
     backward alone; --reader-group 1 makes every read launch one reader, the backward's later
-    launches accumulating. In a child process: it replaces Triton's active driver for good."""
+    launches accumulating; --bwd-dq-second-pass reaches the backward. In a child process: it replaces Triton's active driver for good."""
     import subprocess
 
     pytest.importorskip("triton")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
             "print(json.dumps([kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--bwd-warps', '16']), "
-            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--reader-group', '1'])]))")
+            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--reader-group', '1']), "
+            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--bwd-dq-second-pass'])]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], capture_output=True, text=True,
                        env=env, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    default, sixteen, single = json.loads(r.stdout.strip().splitlines()[-1])
+    default, sixteen, single, second = json.loads(r.stdout.strip().splitlines()[-1])
     names = {row["kernel"] for row in default}
     assert {"_read_fwd_kernel", "_read_bwd_kernel", "_inv_rms_fwd_kernel", "_inv_rms_bwd_kernel"} <= names, names
     for row in default:
@@ -318,6 +319,9 @@ def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_pa
     reads = lambda rows: [row for row in rows if row["kernel"].startswith("_read_")]  # noqa: E731
     assert {row["spec"]["R"] for row in reads(default)} == {1, 2, 3} and {row["spec"]["R"] for row in reads(single)} == {1}
     assert any(row["spec"].get("ACCUMULATE") for row in single) and not any(row["spec"].get("ACCUMULATE") for row in default)
+    backwards = lambda rows: [row for row in rows if row["kernel"] == "_read_bwd_kernel"]  # noqa: E731
+    assert all(row["spec"]["DQ_SECOND_PASS"] for row in backwards(second))
+    assert not any(row["spec"]["DQ_SECOND_PASS"] for row in backwards(default))
 
 
 @pytest.mark.slow  # compiles the step's Triton kernels to cubins

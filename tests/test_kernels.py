@@ -112,26 +112,38 @@ def test_triton_reads_in_reader_groups_equal_one_group(path, monkeypatch, varian
     1e-6 (fp32; only the order of the sums over readers changes), and the PyTorch path's to 1e-4."""
     from attnres.kernels import triton_kernels
 
-    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(6), requires_grad=True)
-    subs, ws = _sublayers(num_layers)
-    res = _module(variant, num_layers, block_size=3)
-    path("torch", "per_read")
-    want = _run(res, x, subs, ws)
-    path("triton", "two_phase")
-    one_group = _run(res, x, subs, ws)
+    run, want, one_group = _triton_against_torch(path, variant, num_layers, seed=6)
     for size in (1, 2, 3):
         if size == 2:  # through the environment variable, as a benchmark run sets it
             monkeypatch.setenv("ATTNRES_READER_GROUP", "2")
         monkeypatch.setattr(triton_kernels, "READER_GROUP", None if size == 2 else size)
         assert triton_kernels._reader_groups(7)[:2] == [(0, size), (size, 2 * size)]
-        grouped = _run(res, x, subs, ws)
+        grouped = run()
         monkeypatch.delenv("ATTNRES_READER_GROUP", raising=False)
         _compare(grouped, one_group, dict(rtol=1e-6, atol=1e-6), f"{variant}, groups of {size} vs one group")
         _compare(grouped, want, TOL, f"{variant}, groups of {size} vs the PyTorch path")
     monkeypatch.setattr(triton_kernels, "READER_GROUP", None)
     monkeypatch.setenv("ATTNRES_READER_GROUP", "0")
     with pytest.raises(ValueError, match="ATTNRES_READER_GROUP='0' is not allowed; allowed: a positive integer"):
-        _run(res, x, subs, ws)
+        run()
+
+
+@needs_triton
+@pytest.mark.parametrize("variant,num_layers", [("full", FULL_CHUNK), ("block_multihead", 8), ("full_sigmoid", 5),
+                                                ("full_input_query", 6)])
+def test_triton_query_gradient_from_a_second_pass_equals_the_first_passes(path, monkeypatch, variant, num_layers):
+    """BWD_DQ_SECOND_PASS: the backward reads the sources again for the query gradient once Δ is
+    known, instead of accumulating it around a running mean in its first pass. Static queries (one
+    and four heads: per-program and per-row partial sums) and per-token queries, softmax and
+    sigmoid: outputs and every gradient equal the one-pass backward's to 1e-5 (fp32; the sums run
+    in another order) and the PyTorch path's to 1e-4."""
+    from attnres.kernels import triton_kernels
+
+    run, want, one_pass = _triton_against_torch(path, variant, num_layers, seed=7)
+    monkeypatch.setattr(triton_kernels, "BWD_DQ_SECOND_PASS", True)
+    second = run()
+    _compare(second, one_pass, dict(rtol=1e-5, atol=1e-5), f"{variant}, dq in a second pass vs the first")
+    _compare(second, want, TOL, f"{variant}, dq in a second pass vs the PyTorch path")
 
 
 @needs_triton
@@ -216,11 +228,14 @@ PEAKED_CASES = {  # name: (backend, heads, scale of the query, seed): logits of 
     "depth_read_one.c, saturated": ("read_one", 1, 1e6, 0),
     "Triton": ("triton", 1, 10.0, 0),
     "Triton (2 heads)": ("triton", 2, 30.0, 0),
+    "Triton, dq in a second pass": ("triton_dq2", 1, 10.0, 0),
+    "Triton, dq in a second pass (2 heads)": ("triton_dq2", 2, 30.0, 0),
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=needs_triton) if PEAKED_CASES[c][0] == "triton" else c for c in sorted(PEAKED_CASES)])
-def test_gradients_through_a_peaked_softmax_are_as_precise_as_the_pytorch_paths(path, case):
+@pytest.mark.parametrize("case", [pytest.param(c, marks=needs_triton) if PEAKED_CASES[c][0].startswith("triton") else c
+                                  for c in sorted(PEAKED_CASES)])
+def test_gradients_through_a_peaked_softmax_are_as_precise_as_the_pytorch_paths(path, monkeypatch, case):
     """Large logits (a static query of 10 to 1e6 times a random one over normalised keys): the
     weights are nearly one hot, and every gradient is a difference of terms that cancel, so fp32
     itself loses digits there (the PyTorch path's gradients are off by up to 1e-2 against
@@ -257,7 +272,11 @@ def test_gradients_through_a_peaked_softmax_are_as_precise_as_the_pytorch_paths(
 
     exact = gradients(reference, torch.float64)
     pytorch = gradients(reference, torch.float32)
-    path("cpu" if backend == "read_one" else backend)
+    if backend == "triton_dq2":
+        from attnres.kernels import triton_kernels
+
+        monkeypatch.setattr(triton_kernels, "BWD_DQ_SECOND_PASS", True)
+    path({"read_one": "cpu", "triton_dq2": "triton"}.get(backend, backend))
     got = gradients(kernel, torch.float32)
     floor = 1e-6 * max(e.abs().max().item() for e in exact)
     names = [f"source {i}" for i in range(n)] + ["query", "key-norm gain"]
@@ -297,6 +316,18 @@ def _run(res, x, subs, ws):
     params = [p for _, p in sorted(res.named_parameters())]
     grads = torch.autograd.grad(loss, [x] + params + ws)
     return out.detach(), grads
+
+
+def _triton_against_torch(path, variant, num_layers, seed):
+    """For a Triton knob's tests: a run of a residual stream (S = 3) on the Triton path, two-phase;
+    the PyTorch path's result (per read), and the Triton result with the knobs at their defaults."""
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    subs, ws = _sublayers(num_layers)
+    res = _module(variant, num_layers, block_size=3)
+    path("torch", "per_read")
+    want = _run(res, x, subs, ws)
+    path("triton", "two_phase")
+    return (lambda: _run(res, x, subs, ws)), want, _run(res, x, subs, ws)
 
 
 def _compare(a, b, tol, what):

@@ -26,7 +26,7 @@ Design decisions:
   head, with the token's 1/rms shared by its H rows (the key norm spans all d channels).
 - fp32 state and arithmetic whatever the storage type (bf16/fp16/fp32).
 - The backward recomputes scores from the saved sources and the saved lse (no weights stored),
-  reads each source once, accumulates the softmax-backward term Δ in fp32 from the sources
+  reads each source once (twice with BWD_DQ_SECOND_PASS), accumulates the softmax-backward term Δ in fp32 from the sources
   (not from the possibly-bf16 stored output), and writes each source's gradient once, summed over
   the readers. The output itself is not needed for backward.
 """
@@ -137,6 +137,7 @@ def _read_bwd_kernel(
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr,
+    DQ_SECOND_PASS: tl.constexpr,
 ):
     # dL/dt_i = α_i (B_i − Δ) with B_i = g·v_i and Δ = Σ_i α_i B_i − g_lse. Δ is accumulated here
     # in fp32 from the sources rather than taken as g·out from the stored output, which may be
@@ -147,6 +148,10 @@ def _read_bwd_kernel(
     # (updated Welford-style, so that P never holds the large cancelling terms Σ c B v and Δ·Σ c v)
     # and Q = Σ c_i v_i; then dq = P + (m − Δ)·Q. Pass 2 writes each source's gradient from the
     # scalars, g and q (no read of v).
+    # DQ_SECOND_PASS: pass 1 keeps no dq accumulators (two fewer [R, T, W] tiles, no Welford
+    # update) and pass 2 reads each source again for dq = Σ_i ds_i ρ_i v_i with Δ known
+    # (BWD_DQ_SECOND_PASS; whether one more read of the sources costs less than the registers is
+    # a GPU measurement).
     # Each program walks row tiles pid, pid + P, … (P programs, a few per SM): a static query's
     # gradient is summed over its tiles in its own slice of dq, so the partial sums the wrapper
     # adds up are P, not one per tile (16k of them at BLOCK_T = 1 and d = 2048).
@@ -184,9 +189,10 @@ def _read_bwd_kernel(
             b0 = _sum(g * o0, 2)
             delta += a0 * b0
 
-        acc_p = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
-        acc_q = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
-        mean = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
+        if not DQ_SECOND_PASS:
+            acc_p = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
+            acc_q = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
+            mean = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
         weight = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
         scr_i = scratch_ptr
         for i in range(n_src):
@@ -210,10 +216,12 @@ def _read_bwd_kernel(
             b = _sum(g * v[None, :, :], 2)
             delta += alpha * b
             weight_new = weight + alpha
-            mean_new = mean + tl.where(weight_new > 0, alpha * (b - mean) / tl.maximum(weight_new, 1e-30), 0.0)
-            acc_p += (c * (b - mean_new))[:, :, None] * v[None, :, :] - (mean_new - mean)[:, :, None] * acc_q
-            acc_q += c[:, :, None] * v[None, :, :]
-            mean, weight = mean_new, weight_new
+            if not DQ_SECOND_PASS:
+                mean_new = mean + tl.where(weight_new > 0, alpha * (b - mean) / tl.maximum(weight_new, 1e-30), 0.0)
+                acc_p += (c * (b - mean_new))[:, :, None] * v[None, :, :] - (mean_new - mean)[:, :, None] * acc_q
+                acc_q += c[:, :, None] * v[None, :, :]
+                mean = mean_new
+            weight = weight_new
             tl.store(scr_i + scr, alpha, mask=row_state_ok)
             tl.store(scr_i + plane + scr, b, mask=row_state_ok)
             tl.store(scr_i + 2 * plane + scr, qv, mask=row_state_ok)
@@ -232,7 +240,10 @@ def _read_bwd_kernel(
             a0 = a0 / z
             tl.store(do0_ptr + state, (a0[:, :, None] * g).to(do0_ptr.dtype.element_ty), mask=state_ok)
             tl.store(dlse0_ptr + row_state, a0 * (b0 - delta), mask=row_state_ok)
-        dq = (acc_p + (mean - delta)[:, :, None] * acc_q) / z[:, :, None]
+        if DQ_SECOND_PASS:
+            dq = tl.full([R_PAD, BLOCK_T, W_PAD], 0.0, tl.float32)
+        else:
+            dq = (acc_p + (mean - delta)[:, :, None] * acc_q) / z[:, :, None]
 
         dsrc_i, drms_i, scr_i = dsrc_ptr, drms_ptr, scratch_ptr  # 64-bit pointer steps, no i·N·d product
         for i in range(n_src):
@@ -254,6 +265,12 @@ def _read_bwd_kernel(
                 dv += tl.load(dsrc_i + tile, mask=tile_ok, other=0.0).to(tl.float32)
             tl.store(dsrc_i + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=tile_ok)
             dsrc_i += reader_stride
+            if DQ_SECOND_PASS:
+                src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
+                if ALIGNED:
+                    src = tl.multiple_of(src, 16)
+                v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)
+                dq += (ds * rho)[:, :, None] * v[None, :, :]
             if KEY_NORM:
                 # ∂s/∂ρ = q·v; the rms backward (shared by all readers of the source) runs once, outside.
                 drho = _sum(ds * qv, 0)
@@ -306,6 +323,10 @@ def _pow2(n: int) -> int:
 # (None: by the tile's size, as the forward's). benchmarks/tile_sweep.py times other values,
 # benchmarks/kernel_resources.py counts their registers without a GPU.
 FWD_TILE_ELEMS, BWD_TILE_ELEMS, BWD_WARPS = 4096, 2048, None
+
+# The backward's query gradient from a second read of the sources, Δ known (see _read_bwd_kernel),
+# instead of two more accumulators in its first pass. Off until a GPU has timed it.
+BWD_DQ_SECOND_PASS = False
 
 # Readers one launch takes at most (None: all of a read's readers). A tile holds R readers padded
 # to a power of two: Full's last phase-1 read (8 sublayers and the output read) has 9, padded to
@@ -453,7 +474,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
             n, n_rows, n_tiles, N * d, d, H, W,
             R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
             PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
-            ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, num_warps=warps,
+            ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, DQ_SECOND_PASS=BWD_DQ_SECOND_PASS, num_warps=warps,
         )
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
