@@ -167,6 +167,29 @@ def state_bytes(model, opt) -> int:
     return total
 
 
+def set_triton_knobs(pairs: list[str], error) -> dict:
+    """Set `triton_kernels` knobs from NAME=VALUE strings (the module's defaults otherwise); returns
+    them as set. `error(message)` is called with one line for a bad one."""
+    if not pairs:
+        return {}
+    from attnres.kernels import triton_available
+
+    if not triton_available():
+        error("--triton: Triton is not installed (pip install triton)")
+    from attnres.kernels import triton_kernels as tk
+
+    knobs = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        value = {"true": True, "false": False, "none": None}.get(text.strip().lower(), text.strip())
+        if name not in tk.KNOBS or (isinstance(value, str) and not value.isdigit()):
+            error(f"--triton {pair!r}: allowed: NAME=VALUE with NAME one of {', '.join(tk.KNOBS)} and VALUE an "
+                  "integer, true, false or none")
+        knobs[name] = int(value) if isinstance(value, str) else value
+        setattr(tk, name, knobs[name])
+    return knobs
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
@@ -187,8 +210,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the rounds, profile one step per variant and print its N costliest kernels "
                          "(CUDA) or operators (CPU)")
+    ap.add_argument("--triton", action="append", default=[], metavar="NAME=VALUE",
+                    help="set a knob of the Triton kernels for this run (attnres.kernels.triton_kernels.KNOBS; "
+                         "VALUE an integer, true, false or none); repeatable")
     ap.add_argument("--json", help="output path (default benchmarks/out/model_bench_<device>.json)")
     args = ap.parse_args(argv)
+    triton_knobs = set_triton_knobs(args.triton, ap.error)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -327,11 +354,12 @@ def main(argv=None) -> dict:
     info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
                 seq_len=seq_len, block_size=block_size, rounds=rounds, warmup=args.warmup, warmup_seconds=warmup_s,
                 compile=args.compile, autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
-                keep_freed_memory=kept, rows=rows, profiles=profiles)
+                keep_freed_memory=kept, triton_knobs=triton_knobs, rows=rows, profiles=profiles)
     print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
           f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "
           f"block size {block_size or 'per variant'}, "
-          f"{rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}; warm-up s {warmup_s}")
+          f"{rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}; warm-up s {warmup_s}"
+          + (f"; Triton knobs {triton_knobs}" if triton_knobs else ""))
     cpu_cols = f" {'cpu ms':>8s} {'cpu ratio':>9s} {'(IQR)':>15s}" if not cuda else ""
     print(f"{'variant':18s} {'step ms':>9s} {'time ratio':>10s} {'(IQR)':>15s}{cpu_cols} {'peak MiB':>9s} {'mem ratio':>9s}")
     for row in rows:

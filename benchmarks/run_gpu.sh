@@ -63,8 +63,9 @@ stage model_bench_full 120 "$py" benchmarks/model_bench.py --preset 194m --compi
   --rounds 8 --warmup 2 --profile 14 --json "$out/model_bench_cuda_194m_full.json"
 # 4. Block with one read per sublayer instead of the two-phase schedule (at op level per read was
 #    the faster of the two on the first H200 run): which one block should use on CUDA.
-ATTNRES_READER_GROUP=8 stage model_bench_full_groups 90 "$py" benchmarks/model_bench.py --preset 194m --compile \
-  --variants full --rounds 6 --warmup 2 --profile 8 --json "$out/model_bench_cuda_194m_full_groups8.json"
+stage model_bench_full_knobs 90 "$py" benchmarks/model_bench.py --preset 194m --compile --variants full \
+  --triton READER_GROUP=4 --triton BWD_DQ_SECOND_PASS=true --rounds 6 --warmup 2 --profile 8 \
+  --json "$out/model_bench_cuda_194m_full_knobs.json"
 ATTNRES_SCHEDULE=per_read stage model_bench_block_per_read 90 "$py" benchmarks/model_bench.py --preset 194m \
   --compile --variants block --rounds 6 --warmup 2 --json "$out/model_bench_cuda_194m_block_per_read.json"
 # 5. The fused reads' kernels against their wall time, and the Triton tile sizes (what is left).

@@ -77,14 +77,14 @@ def main(argv=None) -> dict:
     S, L, N, d = 4, 32, 16384, 2048
     inputs = make_inputs(L, N, d, torch.bfloat16, torch.device("cuda"))
     impls = {"fused per read": ours("triton", "per_read", S), "fused two-phase": ours("triton", "two_phase", S)}
-    knobs = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS")
-    default = {k: getattr(tk, k) for k in knobs}
+    default = {k: getattr(tk, k) for k in tk.KNOBS}
     info = dict(machine=machine(), sublayers=L, block_size=S, tokens=N, d=d, reps=args.reps, default=default,
                 profiles={}, rows=[])
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tried = (groups, [] if args.no_dq_second_pass else [True], bwd_warps, fwd_budgets, bwd_budgets)
-    configs = [default] + [{**default, k: v} for k, values in zip(knobs, tried) for v in values]
+    tried = {"READER_GROUP": groups, "BWD_DQ_SECOND_PASS": [] if args.no_dq_second_pass else [True],
+             "BWD_WARPS": bwd_warps, "FWD_TILE_ELEMS": fwd_budgets, "BWD_TILE_ELEMS": bwd_budgets}
+    configs = [default] + [{**default, k: v} for k, values in tried.items() for v in values]
     sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a time limit stops it as Ctrl-C
     try:
         for name, fn in impls.items():

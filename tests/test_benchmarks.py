@@ -67,6 +67,30 @@ def test_model_bench_stopped_mid_run_reports_the_rounds_it_finished(tmp_path, mo
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_model_bench_sets_triton_knobs_and_records_them(tmp_path, monkeypatch, capsys):
+    """--triton NAME=VALUE sets a knob of the Triton kernels for the run (what run_gpu.sh times
+    beside the defaults) and the JSON records it; a name that is not a knob, or a value that is
+    neither an integer nor true/false/none, is one line and exit 2."""
+    pytest.importorskip("triton")
+    from attnres.kernels import triton_kernels as tk
+
+    for name in tk.KNOBS:  # restored after the test
+        monkeypatch.setattr(tk, name, getattr(tk, name))
+    out = tmp_path / "mb.json"
+    info = model_bench.main(["--variants", "block", "--layers", "2", "--batch", "2", "--seq-len", "16", "--rounds", "2",
+                             "--warmup", "1", "--threads", "1", "--no-memory", "--triton", "READER_GROUP=2",
+                             "--triton", "BWD_DQ_SECOND_PASS=true", "--triton", "BWD_WARPS=none", "--json", str(out)])
+    want = {"READER_GROUP": 2, "BWD_DQ_SECOND_PASS": True, "BWD_WARPS": None}
+    assert info["triton_knobs"] == json.loads(out.read_text())["triton_knobs"] == want
+    assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS, tk.BWD_WARPS) == (2, True, None)
+    capsys.readouterr()
+    for bad in ("READER_GROUPS=2", "READER_GROUP=two"):
+        with pytest.raises(SystemExit) as stop:
+            model_bench.main(["--variants", "block", "--triton", bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and f"--triton {bad!r}: allowed: NAME=VALUE with NAME one of READER_GROUP" in err
+
+
 def test_model_bench_stopped_in_its_warm_up_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     """Stopped while compiling (the warm-up), there is nothing to report: one line naming the
     variant, exit 130, no JSON."""

@@ -26,9 +26,9 @@ Design decisions:
   head, with the token's 1/rms shared by its H rows (the key norm spans all d channels).
 - fp32 state and arithmetic whatever the storage type (bf16/fp16/fp32).
 - The backward recomputes scores from the saved sources and the saved lse (no weights stored),
-  reads each source once (twice with BWD_DQ_SECOND_PASS), accumulates the softmax-backward term Δ in fp32 from the sources
-  (not from the possibly-bf16 stored output), and writes each source's gradient once, summed over
-  the readers. The output itself is not needed for backward.
+  reads each source once (twice with BWD_DQ_SECOND_PASS), accumulates the softmax-backward term Δ
+  in fp32 from the sources (not from the possibly-bf16 stored output), and writes each source's
+  gradient once, summed over the readers. The output itself is not needed for backward.
 """
 from __future__ import annotations
 
@@ -71,6 +71,16 @@ def _log_sigmoid(s):
 
 
 @triton.jit
+def _source(src_table, i, src0, tile, tile_ok, ALIGNED: tl.constexpr):
+    """Source i's [T, W] tile in fp32, through the table of data pointers (src0: one of the
+    sources, for their element type)."""
+    src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
+    if ALIGNED:  # a pointer from the table carries no alignment: without this, 2-byte loads
+        src = tl.multiple_of(src, 16)
+    return tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _read_fwd_kernel(
     src_table, rms_table, src0, q_ptr, o0_ptr, lse0_ptr, out_ptr, lse_ptr,
     n_src, n_rows, reader_stride, d, H, W,
@@ -107,10 +117,7 @@ def _read_fwd_kernel(
         ell = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
 
     for i in range(n_src):
-        src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
-        if ALIGNED:  # a pointer from the table carries no alignment: without this, 2-byte loads
-            src = tl.multiple_of(src, 16)
-        v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)  # read once for all readers
+        v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)  # read once for all readers
         s = _sum(q * v[None, :, :], 2)
         if KEY_NORM:
             rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
@@ -196,10 +203,7 @@ def _read_bwd_kernel(
         weight = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
         scr_i = scratch_ptr
         for i in range(n_src):
-            src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
-            if ALIGNED:
-                src = tl.multiple_of(src, 16)
-            v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)
             qv = _sum(q * v[None, :, :], 2)
             if KEY_NORM:
                 rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
@@ -266,11 +270,7 @@ def _read_bwd_kernel(
             tl.store(dsrc_i + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=tile_ok)
             dsrc_i += reader_stride
             if DQ_SECOND_PASS:
-                src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
-                if ALIGNED:
-                    src = tl.multiple_of(src, 16)
-                v = tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)
-                dq += (ds * rho)[:, :, None] * v[None, :, :]
+                dq += (ds * rho)[:, :, None] * _source(src_table, i, src0, tile, tile_ok, ALIGNED)[None, :, :]
             if KEY_NORM:
                 # ∂s/∂ρ = q·v; the rms backward (shared by all readers of the source) runs once, outside.
                 drho = _sum(ds * qv, 0)
@@ -333,19 +333,16 @@ BWD_DQ_SECOND_PASS = False
 # 16, and its backward spills registers when compiled for sm_90a (benchmarks/RESULTS.md). Groups of
 # at most READER_GROUP readers pad less and hold smaller tiles, for one more read of the sources
 # per group (the backward adds each group's source gradients to the last's). Which is faster is a
-# GPU measurement (benchmarks/tile_sweep.py --reader-groups, or ATTNRES_READER_GROUP=k for any
-# run, which this constant, when set, overrides); until one says, one group.
+# GPU measurement (benchmarks/tile_sweep.py, model_bench.py --triton READER_GROUP=k); until one
+# says, one group.
 READER_GROUP = None
+
+# The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
+KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS")
 
 
 def _reader_groups(R: int) -> list[tuple[int, int]]:
-    size = READER_GROUP
-    if size is None:
-        text = os.environ.get("ATTNRES_READER_GROUP", "").strip()
-        if text and (not text.isdigit() or int(text) < 1):
-            raise ValueError(f"ATTNRES_READER_GROUP={text!r} is not allowed; allowed: a positive integer (readers "
-                             "a Triton launch takes at most) or unset (all of a read's readers)")
-        size = int(text) if text else R
+    size = READER_GROUP or R
     return [(r0, min(r0 + size, R)) for r0 in range(0, R, size)]
 
 
@@ -451,8 +448,9 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
         dq = torch.empty(N, d, device=device, dtype=torch.float32)
     elif dq_rows:
         dq = torch.empty(R, N, d, device=device, dtype=torch.float32)
-    else:  # per group, one slice per program (see the kernel), summed below
-        dq = []
+    else:
+        dq = None  # a static single-head query's: summed below from dq_parts
+    dq_parts = []  # per group, one slice per program (see the kernel)
     has_init = init_out is not None
     do0 = torch.empty(R, N, d, device=device, dtype=init_out.dtype) if has_init else grad_out
     dlse0 = torch.empty(R, N, H, device=device, dtype=torch.float32) if has_init else lse
@@ -463,13 +461,13 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
         block_t, warps = _tiles(r_pad, w_pad, backward=True)
         n_tiles = triton.cdiv(n_rows, block_t)
         grid = _programs(n_tiles, device)
-        if isinstance(dq, list):
-            dq.append(torch.zeros(grid, r_pad, W, device=device, dtype=torch.float32))
+        if not (per_token or dq_rows):
+            dq_parts.append(torch.zeros(grid, r_pad, W, device=device, dtype=torch.float32))
         _read_bwd_kernel[(grid,)](
             src_table, rms_table, sources[0] if n else grad_out, query if per_token else query[r0:r1],
             init_out[r0:r1] if has_init else grad_out, init_lse[r0:r1] if has_init else lse, lse[r0:r1],
             grad_out[r0:r1], grad_lse[r0:r1] if grad_lse is not None else lse,
-            dsrc, drms, dq if per_token else dq[r0:r1] if dq_rows else dq[-1],
+            dsrc, drms, dq if per_token else dq[r0:r1] if dq_rows else dq_parts[-1],
             do0[r0:r1] if has_init else do0, dlse0[r0:r1] if has_init else dlse0, scratch,
             n, n_rows, n_tiles, N * d, d, H, W,
             R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
@@ -479,7 +477,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
     elif not per_token:
-        dq = torch.cat([part.sum(0)[: r1 - r0] for part, (r0, r1) in zip(dq, groups)])
+        dq = torch.cat([part.sum(0)[: r1 - r0] for part, (r0, r1) in zip(dq_parts, groups)])
     d_rms = drms.view(n, N, H).sum(-1) if key_norm else None  # the heads of a token share its rms
     return dsrc, d_rms, dq, (do0 if has_init else None), (dlse0 if has_init else None)
 
