@@ -6,8 +6,8 @@ H100/H200).
     python benchmarks/kernel_resources.py --variant full --d-model 2048 --heads 16
     python benchmarks/kernel_resources.py --fwd-tile 8192 --bwd-tile 4096  # other tile budgets
     python benchmarks/kernel_resources.py --bwd-warps 16                   # the backward at 16 warps
-    python benchmarks/kernel_resources.py --variant full --layers 12 --reader-group 4  # at most 4 readers a launch
-    python benchmarks/kernel_resources.py --bwd-dq-second-pass             # the backward's dq from a second read
+    python benchmarks/kernel_resources.py --variant full --layers 12 --triton READER_GROUP=4 \
+        --triton BWD_DQ_SECOND_PASS=true                                   # any knob of the kernels (model_bench's option)
 
 Why: on an H200 block's extra step time was its read kernels, the backward 4.2× the forward
 (benchmarks/RESULTS.md); how many programs fit on an SM is what a tile or kernel change moves first,
@@ -118,8 +118,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--fwd-tile", type=int, help="triton_kernels.FWD_TILE_ELEMS for this run")
     ap.add_argument("--bwd-tile", type=int, help="triton_kernels.BWD_TILE_ELEMS for this run")
     ap.add_argument("--bwd-warps", type=int, choices=[1, 2, 4, 8, 16, 32], help="triton_kernels.BWD_WARPS for this run")
-    ap.add_argument("--reader-group", type=int, help="triton_kernels.READER_GROUP for this run (readers a launch takes at most)")
-    ap.add_argument("--bwd-dq-second-pass", action="store_true", help="triton_kernels.BWD_DQ_SECOND_PASS for this run")
+    ap.add_argument("--triton", action="append", default=[], metavar="NAME=VALUE",
+                    help="set a knob of the Triton kernels for this run, as model_bench.py --triton; repeatable")
     args = ap.parse_args(argv)
     from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig, kernels
 
@@ -127,16 +127,15 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--variant {args.variant}: unknown; allowed: {', '.join(VARIANTS)}")
     if not kernels.triton_available():
         ap.error("Triton is not installed (pip install triton)")
-    if args.reader_group is not None and args.reader_group < 1:
-        ap.error(f"--reader-group {args.reader_group}: allowed: a whole number from 1")
     compiled = compile_only(args.arch)
     from attnres.kernels import triton_kernels as tk
+    from benchmarks.model_bench import set_triton_knobs
+
+    set_triton_knobs(args.triton, ap.error)
 
     tk.FWD_TILE_ELEMS = args.fwd_tile or tk.FWD_TILE_ELEMS
     tk.BWD_TILE_ELEMS = args.bwd_tile or tk.BWD_TILE_ELEMS
     tk.BWD_WARPS = args.bwd_warps or tk.BWD_WARPS
-    tk.READER_GROUP = args.reader_group or tk.READER_GROUP
-    tk.BWD_DQ_SECOND_PASS = args.bwd_dq_second_pass or tk.BWD_DQ_SECOND_PASS
     os.environ["TRITON_INTERPRET"] = "1"  # read by use_fused alone: lets the Triton path take CPU tensors
     kernels.set_backend("triton")
     try:
