@@ -107,14 +107,10 @@ def main(argv=None) -> int:
         for name, (backend, schedule, knobs) in runs.items():
             kernels.set_backend(backend)
             kernels.set_schedule(schedule)
-            saved = {k: getattr(triton_kernels, k) for k in knobs}
-            for k, v in knobs.items():
-                setattr(triton_kernels, k, v)
-            out = res(x, subs)
-            grads = torch.autograd.grad(out.square().sum(), [x] + list(res.parameters()))
+            with triton_kernels.knobs(**knobs):
+                out = res(x, subs)
+                grads = torch.autograd.grad(out.square().sum(), [x] + list(res.parameters()))
             outs[name] = torch.cat([out.flatten()] + [t.flatten() for t in grads])
-            for k, v in saved.items():
-                setattr(triton_kernels, k, v)
         tag = f"{variant} S={S} L={L} triton"
         ok &= close(f"{tag} per-read vs torch", outs["per read"], outs["torch per read"], 1e-4)
         # fp32 rounding through L layers and a squared loss: 1e-4 of the scale (the CPU tests hold

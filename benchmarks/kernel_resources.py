@@ -4,10 +4,9 @@ H100/H200).
 
     python benchmarks/kernel_resources.py                                  # block, the 194m shape
     python benchmarks/kernel_resources.py --variant full --d-model 2048 --heads 16
-    python benchmarks/kernel_resources.py --fwd-tile 8192 --bwd-tile 4096  # other tile budgets
-    python benchmarks/kernel_resources.py --bwd-warps 16                   # the backward at 16 warps
-    python benchmarks/kernel_resources.py --variant full --layers 12 --triton READER_GROUP=4 \
-        --triton BWD_DQ_SECOND_PASS=true                                   # any knob of the kernels (model_bench's option)
+    python benchmarks/kernel_resources.py --triton BWD_WARPS=16            # the backward at 16 warps
+    python benchmarks/kernel_resources.py --triton FWD_TILE_ELEMS=8192     # any knob of the kernels (model_bench's option)
+    python benchmarks/kernel_resources.py --variant full --layers 12 --triton READER_GROUP=4 --triton BWD_DQ_SECOND_PASS=true
 
 Why: on an H200 block's extra step time was its read kernels, the backward 4.2× the forward
 (benchmarks/RESULTS.md); how many programs fit on an SM is what a tile or kernel change moves first,
@@ -115,9 +114,6 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--block-size", type=int, default=3, help="S (3: the 194m preset's 8 blocks of 24 sublayers)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: H100/H200)")
-    ap.add_argument("--fwd-tile", type=int, help="triton_kernels.FWD_TILE_ELEMS for this run")
-    ap.add_argument("--bwd-tile", type=int, help="triton_kernels.BWD_TILE_ELEMS for this run")
-    ap.add_argument("--bwd-warps", type=int, choices=[1, 2, 4, 8, 16, 32], help="triton_kernels.BWD_WARPS for this run")
     ap.add_argument("--triton", action="append", default=[], metavar="NAME=VALUE",
                     help="set a knob of the Triton kernels for this run, as model_bench.py --triton; repeatable")
     args = ap.parse_args(argv)
@@ -133,9 +129,6 @@ def main(argv=None) -> list[dict]:
 
     set_triton_knobs(args.triton, ap.error)
 
-    tk.FWD_TILE_ELEMS = args.fwd_tile or tk.FWD_TILE_ELEMS
-    tk.BWD_TILE_ELEMS = args.bwd_tile or tk.BWD_TILE_ELEMS
-    tk.BWD_WARPS = args.bwd_warps or tk.BWD_WARPS
     os.environ["TRITON_INTERPRET"] = "1"  # read by use_fused alone: lets the Triton path take CPU tensors
     kernels.set_backend("triton")
     try:

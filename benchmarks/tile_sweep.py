@@ -98,15 +98,14 @@ def main(argv=None) -> dict:
         print(f"{'readers':>7s} {'dq pass':>7s} {'bwd warps':>9s} {'fwd elems':>9s} {'bwd elems':>9s} "
               + " ".join(f"{n + ': step, fwd/bwd ms':>38s}" for n in impls), flush=True)
         for config in configs:
-            for k, v in config.items():
-                setattr(tk, k, v)
             row = dict(reader_group=config["READER_GROUP"], dq_second_pass=config["BWD_DQ_SECOND_PASS"],
                        bwd_warps=config["BWD_WARPS"],
                        fwd_tile_elems=config["FWD_TILE_ELEMS"], bwd_tile_elems=config["BWD_TILE_ELEMS"],
                        ms={}, read_fwd_ms={}, read_bwd_ms={})
             for name, fn in impls.items():
-                row["ms"][name] = bench(fn, inputs, args.reps, 2, True)[0]
-                prof = profiled(fn, inputs, 0, steps=3)
+                with tk.knobs(**config):
+                    row["ms"][name] = bench(fn, inputs, args.reps, 2, True)[0]
+                    prof = profiled(fn, inputs, 0, steps=3)
                 row["read_fwd_ms"][name], row["read_bwd_ms"][name] = prof["read_fwd_ms"], prof["read_bwd_ms"]
             info["rows"].append(row)
             print(f"{row['reader_group'] or 'all':>7} {'second' if row['dq_second_pass'] else 'first':>7} "
@@ -118,8 +117,6 @@ def main(argv=None) -> dict:
         print(f"# interrupted: {len(info['rows'])} of {len(configs)} configurations timed", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, sigterm)
-        for k, v in default.items():
-            setattr(tk, k, v)
         kernels.set_backend(None)
         kernels.set_schedule(None)
     out.write_text(json.dumps(info, indent=2))

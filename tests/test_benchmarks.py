@@ -316,7 +316,7 @@ def test_model_bench_profile_names_each_variants_costliest_operators(tmp_path, c
 @pytest.mark.slow  # compiles a dozen Triton kernels to cubins (about 20 s)
 def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_path):
     """kernel_resources.py compiles, for sm_90a and without a GPU, every Triton kernel one block
-    step launches and reads registers and occupancy from the cubins; --bwd-warps reaches the
+    step launches and reads registers and occupancy from the cubins; --triton BWD_WARPS=16 reaches the
     backward alone; --triton READER_GROUP=1 makes every read launch one reader, the backward's
     later launches accumulating; --triton BWD_DQ_SECOND_PASS=true reaches the backward. In a child process: it replaces Triton's active driver for good."""
     import subprocess
@@ -324,7 +324,7 @@ def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_pa
     pytest.importorskip("triton")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
             "print(json.dumps([kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2']), "
-            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--bwd-warps', '16']), "
+            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_WARPS=16']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'READER_GROUP=1']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_DQ_SECOND_PASS=true'])]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

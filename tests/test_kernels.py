@@ -140,6 +140,23 @@ def test_triton_query_gradient_from_a_second_pass_equals_the_first_passes(path, 
 
 
 @needs_triton
+def test_knobs_hold_within_their_block_only():
+    """triton_kernels.knobs (how gpu_check and tile_sweep try a knob): the values inside the block,
+    the previous ones after it, also when the block raises; a name that is no knob is one error."""
+    from attnres.kernels import triton_kernels as tk
+
+    before = (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS)
+    with pytest.raises(RuntimeError, match="inside"):
+        with tk.knobs(READER_GROUP=2, BWD_DQ_SECOND_PASS=True):
+            assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS) == (2, True) and tk._reader_groups(5) == [(0, 2), (2, 4), (4, 5)]
+            raise RuntimeError("inside")
+    assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS) == before
+    with pytest.raises(ValueError, match="READER_GROUPS: not a knob of the Triton kernels; allowed: READER_GROUP"):
+        with tk.knobs(READER_GROUPS=2):
+            pass
+
+
+@needs_triton
 def test_pointer_tables_are_kept_by_their_pointers(monkeypatch):
     """A read's table holds its sources' data pointers, then their 1/rms' (a view from the n-th
     entry); the same pointers again find the same table, other pointers another one, and the

@@ -32,6 +32,7 @@ Design decisions:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -339,6 +340,20 @@ READER_GROUP = None
 
 # The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
 KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS")
+
+
+@contextlib.contextmanager
+def knobs(**values):
+    """Within the block, the named KNOBS take these values; after it, their previous ones."""
+    unknown = sorted(set(values) - set(KNOBS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a knob of the Triton kernels; allowed: {', '.join(KNOBS)}")
+    saved = {name: globals()[name] for name in values}
+    globals().update(values)
+    try:
+        yield
+    finally:
+        globals().update(saved)
 
 
 def _reader_groups(R: int) -> list[tuple[int, int]]:
