@@ -167,15 +167,15 @@ def state_bytes(model, opt) -> int:
     return total
 
 
-def set_triton_knobs(pairs: list[str], error) -> dict:
-    """Set `triton_kernels` knobs from NAME=VALUE strings (the module's defaults otherwise); returns
-    them as set. `error(message)` is called with one line for a bad one."""
+def parse_triton_knobs(pairs: list[str], error, flag: str = "--triton") -> dict:
+    """`triton_kernels` knob values from NAME=VALUE strings (none set). `error(message)` is called
+    with one line for a bad one, naming the option it came from (`flag`)."""
     if not pairs:
         return {}
     from attnres.kernels import triton_available
 
     if not triton_available():
-        error("--triton: Triton is not installed (pip install triton)")
+        error(f"{flag}: Triton is not installed (pip install triton)")
     from attnres.kernels import triton_kernels as tk
 
     knobs = {}
@@ -183,10 +183,21 @@ def set_triton_knobs(pairs: list[str], error) -> dict:
         name, _, text = pair.partition("=")
         value = {"true": True, "false": False, "none": None}.get(text.strip().lower(), text.strip())
         if name not in tk.KNOBS or (isinstance(value, str) and not value.isdigit()):
-            error(f"--triton {pair!r}: allowed: NAME=VALUE with NAME one of {', '.join(tk.KNOBS)} and VALUE an "
+            error(f"{flag} {pair!r}: allowed: NAME=VALUE with NAME one of {', '.join(tk.KNOBS)} and VALUE an "
                   "integer, true, false or none")
         knobs[name] = int(value) if isinstance(value, str) else value
-        setattr(tk, name, knobs[name])
+    return knobs
+
+
+def set_triton_knobs(pairs: list[str], error) -> dict:
+    """Set `triton_kernels` knobs from NAME=VALUE strings (the module's defaults otherwise); returns
+    them as set."""
+    knobs = parse_triton_knobs(pairs, error)
+    if knobs:
+        from attnres.kernels import triton_kernels as tk
+
+        for name, value in knobs.items():
+            setattr(tk, name, value)
     return knobs
 
 

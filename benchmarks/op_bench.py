@@ -174,7 +174,9 @@ def main(argv=None):
     S, L, N, d = args.block_size, args.sublayers, args.tokens, args.d
 
     # In the order they run: the eager reference (every row's max|Δ| is against it), then what the
-    # issue's op-level bar compares (our fused Block schedule, fla-core), then the rest.
+    # issue's op-level bar compares (our fused Block schedule, fla-core), then the rest, the
+    # issue's compiled reference before our PyTorch path (a GPU run stopped at its time limit on
+    # 2026-11-30 while the compile's turn had not come).
     impls = {"reference eager": reference(depth_read, S)}
     fused = "triton" if cuda and kernels.triton_available() else None
     if not cuda and dtype == torch.float32 and kernels.cpu_kernels_available():
@@ -188,11 +190,11 @@ def main(argv=None):
             print(f"# fla-core not available ({e}); pip install fla-core einops to race it")
     if fused:
         impls["fused per read"] = ours(fused, "per_read", S)
-    impls["torch path two-phase"] = ours("torch", "two_phase", S)
-    impls["torch path per read"] = ours("torch", "per_read", S)
     # One graph per distinct number of sources (a read sees 1 to N+1 of them), with and without grad.
     torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
     impls["reference compiled"] = reference(torch.compile(depth_read, dynamic=False), S)
+    impls["torch path two-phase"] = ours("torch", "two_phase", S)
+    impls["torch path per read"] = ours("torch", "per_read", S)
     if args.only:
         keep = [k for k in args.only.split(",") if k]
         unknown = [k for k in keep if k not in impls]

@@ -61,13 +61,12 @@ stage model_bench_block 180 "$py" benchmarks/model_bench.py --preset 194m --comp
 stage op_bench 130 "$py" benchmarks/op_bench.py --json "$out/op_bench_cuda.json"
 stage model_bench_full 120 "$py" benchmarks/model_bench.py --preset 194m --compile --variants full \
   --rounds 8 --warmup 2 --profile 14 --json "$out/model_bench_cuda_194m_full.json"
-# 4. Full again with two Triton knobs off their defaults: reader groups of 4 (its phase-1 reads have
-#    8 and 9 readers, padded to 8 and 16) and the backward's dq from a second read (benchmarks/RESULTS.md).
-stage model_bench_full_knobs 90 "$py" benchmarks/model_bench.py --preset 194m --compile --variants full \
-  --triton READER_GROUP=4 --triton BWD_DQ_SECOND_PASS=true --rounds 6 --warmup 2 --profile 8 \
-  --json "$out/model_bench_cuda_194m_full_knobs.json"
-# 5. Block with one read per sublayer instead of the two-phase schedule (at op level per read was
-#    the faster of the two on the first H200 run): which one block should use on CUDA.
+# 4. Full with one read per sublayer instead of two-phase (never timed on a GPU; block's per-read
+#    schedule was the faster of block's two on 2026-11-30).
+ATTNRES_SCHEDULE=per_read stage model_bench_full_per_read 90 "$py" benchmarks/model_bench.py --preset 194m \
+  --compile --variants full --rounds 6 --warmup 2 --json "$out/model_bench_cuda_194m_full_per_read.json"
+# 5. Block with one read per sublayer instead of the two-phase schedule (faster at op level on both
+#    H200 runs, and at 194m on the second: 1.18 vs 1.23): which one block should use on CUDA.
 ATTNRES_SCHEDULE=per_read stage model_bench_block_per_read 90 "$py" benchmarks/model_bench.py --preset 194m \
   --compile --variants block --rounds 6 --warmup 2 --json "$out/model_bench_cuda_194m_block_per_read.json"
 # 6. The fused reads' kernels against their wall time, and the Triton knobs one at a time (what is left).

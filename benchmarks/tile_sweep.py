@@ -4,18 +4,21 @@ work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, forward + backward of eve
     python benchmarks/tile_sweep.py                       # CUDA only
     python benchmarks/tile_sweep.py --fwd 2048,8192 --bwd 1024,4096 --reps 5
     python benchmarks/tile_sweep.py --reader-groups 1,2,4 --fwd "" --bwd "" --bwd-warps ""
+    python benchmarks/tile_sweep.py --triton BWD_PROGRAMS_PER_SM=8 --config PREFETCH=false \
+        --config PREFETCH=false,BWD_DQ_SECOND_PASS=false     # knobs moved together
 
 First one profiled step of each implementation: the kernels' summed time against the step's wall
-time (a gap is host overhead: launches, pointer tables, autograd) and its costliest kernels. Then,
-with each reader group size, the backward's dq from a second read, each backward warp count, each
-forward tile budget and each backward budget (one knob moved from the defaults at a time, in that
-order: a stage stopped at its time limit has timed the first ones), the step's wall time and the
-read kernels' own time (profiled over 3 steps; at this work the step is host-bound, and its wall
-time moved by ±15% between runs, the kernels' time does not carry that noise). The knobs are
-attnres.kernels.triton_kernels' READER_GROUP (readers a launch takes at most: the two-phase
-schedule's phase-1 reads have S and S + 1 readers here), BWD_DQ_SECOND_PASS, BWD_WARPS, and
-FWD_TILE_ELEMS / BWD_TILE_ELEMS, the elements of one [readers, rows, head width] fp32 tile a
-program holds. Prints a table and writes JSON.
+time (a gap is host overhead: launches, pointer tables, autograd) and its costliest kernels. Then
+the knobs of attnres.kernels.triton_kernels, one moved from the defaults at a time, in this order
+(a stage stopped at its time limit has timed the first ones): PREFETCH toggled (each source's load
+issued one iteration ahead of its use), each READER_GROUP (readers a launch takes at most: the
+two-phase schedule's phase-1 reads have S and S + 1 readers here), BWD_DQ_SECOND_PASS toggled (the
+backward's query gradient from a first or a second read), each BWD_PROGRAMS_PER_SM, BWD_WARPS,
+FWD_TILE_ELEMS and BWD_TILE_ELEMS (the elements of one [readers, rows, head width] fp32 tile a
+program holds). For each, the step's wall time and the read kernels' own time (profiled over 3
+steps; at this work the step is host-bound, and its wall time moved by ±15% between runs, the
+kernels' time does not carry that noise). --config times knobs moved together instead. Prints a
+table and writes JSON.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from attnres import kernels  # noqa: E402
-from benchmarks.model_bench import kernel_times, machine  # noqa: E402
+from benchmarks.model_bench import kernel_times, machine, parse_triton_knobs, set_triton_knobs  # noqa: E402
 from benchmarks.op_bench import bench, make_inputs, ours  # noqa: E402
 
 
@@ -51,40 +54,60 @@ def profiled(fn, inputs, top: int, steps: int = 1) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fwd", default="2048,8192,16384", help="forward tile budgets to try besides the default")
+    ap.add_argument("--fwd", default="4096,8192", help="forward tile budgets to try besides the default")
     ap.add_argument("--bwd", default="1024,4096,8192", help="backward tile budgets to try besides the default")
     ap.add_argument("--bwd-warps", default="16", help="backward warps to try besides the default (by tile size)")
-    ap.add_argument("--reader-groups", default="1,2", help="readers per launch to try besides the default (all)")
-    ap.add_argument("--no-dq-second-pass", action="store_true", help="do not try the backward's dq from a second read")
+    ap.add_argument("--reader-groups", default="1,2,none", help="readers per launch to try besides the default "
+                    "(none: all of a read's readers in one launch)")
+    ap.add_argument("--bwd-programs", default="8", help="backward programs per SM to try besides the default")
+    ap.add_argument("--no-dq-pass", action="store_true", help="do not try the backward's dq pass toggled")
+    ap.add_argument("--no-prefetch", action="store_true", help="do not try the prefetch of the next source toggled")
+    ap.add_argument("--triton", action="append", default=[], metavar="NAME=VALUE",
+                    help="a knob's value for every configuration, the defaults' row included (model_bench's option)")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=VALUE,...",
+                    help="time these configurations (knobs moved from the defaults together) instead of "
+                         "moving one knob at a time; repeatable")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--json", default=str(Path(__file__).parent / "out" / "tile_sweep_cuda.json"))
     args = ap.parse_args(argv)
-    if not (torch.cuda.is_available() and kernels.triton_available()):
-        ap.error("needs a CUDA device and Triton (torch.cuda.is_available() is False or Triton is missing)")
     try:
-        fwd_budgets, bwd_budgets, bwd_warps, groups = ([int(x) for x in a.split(",") if x]
-                                                       for a in (args.fwd, args.bwd, args.bwd_warps, args.reader_groups))
+        fwd_budgets, bwd_budgets, bwd_warps, programs = ([int(x) for x in a.split(",") if x]
+                                                         for a in (args.fwd, args.bwd, args.bwd_warps, args.bwd_programs))
+        groups = [None if x == "none" else int(x) for x in args.reader_groups.split(",") if x]
     except ValueError:
-        ap.error(f"--fwd {args.fwd!r} / --bwd {args.bwd!r} / --bwd-warps {args.bwd_warps!r} / "
-                 f"--reader-groups {args.reader_groups!r}: comma-separated whole numbers")
+        ap.error(f"--fwd {args.fwd!r} / --bwd {args.bwd!r} / --bwd-warps {args.bwd_warps!r} / --reader-groups "
+                 f"{args.reader_groups!r} / --bwd-programs {args.bwd_programs!r}: comma-separated whole numbers "
+                 "(--reader-groups also none)")
     if any(w not in (1, 2, 4, 8, 16, 32) for w in bwd_warps):
         ap.error(f"--bwd-warps {args.bwd_warps!r}: allowed: powers of two from 1 to 32")
-    if any(g < 1 for g in groups):
-        ap.error(f"--reader-groups {args.reader_groups!r}: allowed: whole numbers from 1")
+    if any(g is not None and g < 1 for g in groups) or any(p < 1 for p in programs):
+        ap.error(f"--reader-groups {args.reader_groups!r} / --bwd-programs {args.bwd_programs!r}: allowed: whole "
+                 "numbers from 1")
+    if not kernels.triton_available():
+        ap.error("needs Triton (pip install triton)")
     from attnres.kernels import triton_kernels as tk
+
+    set_triton_knobs(args.triton, ap.error)
+    default = {k: getattr(tk, k) for k in tk.KNOBS}
+    together = [parse_triton_knobs(c.split(","), ap.error, "--config") for c in args.config]
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (torch.cuda.is_available() is False)")
 
     S, L, N, d = 4, 32, 16384, 2048
     inputs = make_inputs(L, N, d, torch.bfloat16, torch.device("cuda"))
     impls = {"fused per read": ours("triton", "per_read", S), "fused two-phase": ours("triton", "two_phase", S)}
-    default = {k: getattr(tk, k) for k in tk.KNOBS}
     info = dict(machine=machine(), sublayers=L, block_size=S, tokens=N, d=d, reps=args.reps, default=default,
                 profiles={}, rows=[])
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tried = {"READER_GROUP": groups, "BWD_DQ_SECOND_PASS": [] if args.no_dq_second_pass else [True],
-             "BWD_WARPS": bwd_warps, "FWD_TILE_ELEMS": fwd_budgets, "BWD_TILE_ELEMS": bwd_budgets}
-    configs = [default] + [{**default, k: v} for k, values in tried.items() for v in values]
+    tried = {"PREFETCH": [] if args.no_prefetch else [not default["PREFETCH"]],
+             "READER_GROUP": groups,
+             "BWD_DQ_SECOND_PASS": [] if args.no_dq_pass else [not default["BWD_DQ_SECOND_PASS"]],
+             "BWD_PROGRAMS_PER_SM": programs, "BWD_WARPS": bwd_warps, "FWD_TILE_ELEMS": fwd_budgets,
+             "BWD_TILE_ELEMS": bwd_budgets}
+    configs = [default] + ([{**default, **c} for c in together] if together else
+                           [{**default, k: v} for k, values in tried.items() for v in values if v != default[k]])
     sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a time limit stops it as Ctrl-C
     try:
         for name, fn in impls.items():
@@ -95,22 +118,19 @@ def main(argv=None) -> dict:
             for r in prof["top"]:
                 print(f"  {r['ms']:8.2f} ms {r['calls']:5d}x  {r['name'][:90]}", flush=True)
         # Per implementation: the step's median wall time, then the read kernels' time, forward/backward.
-        print(f"{'readers':>7s} {'dq pass':>7s} {'bwd warps':>9s} {'fwd elems':>9s} {'bwd elems':>9s} "
-              + " ".join(f"{n + ': step, fwd/bwd ms':>38s}" for n in impls), flush=True)
+        print(f"{'knobs moved from the defaults':40s} " + " ".join(f"{n + ': step, fwd/bwd ms':>38s}" for n in impls),
+              flush=True)
         for config in configs:
-            row = dict(reader_group=config["READER_GROUP"], dq_second_pass=config["BWD_DQ_SECOND_PASS"],
-                       bwd_warps=config["BWD_WARPS"],
-                       fwd_tile_elems=config["FWD_TILE_ELEMS"], bwd_tile_elems=config["BWD_TILE_ELEMS"],
-                       ms={}, read_fwd_ms={}, read_bwd_ms={})
+            moved = {k: v for k, v in config.items() if v != default[k]}
+            row = dict(knobs=config, moved=moved, ms={}, read_fwd_ms={}, read_bwd_ms={})
             for name, fn in impls.items():
                 with tk.knobs(**config):
                     row["ms"][name] = bench(fn, inputs, args.reps, 2, True)[0]
                     prof = profiled(fn, inputs, 0, steps=3)
                 row["read_fwd_ms"][name], row["read_bwd_ms"][name] = prof["read_fwd_ms"], prof["read_bwd_ms"]
             info["rows"].append(row)
-            print(f"{row['reader_group'] or 'all':>7} {'second' if row['dq_second_pass'] else 'first':>7} "
-                  f"{row['bwd_warps'] or 'by size':>9} {row['fwd_tile_elems']:9d} "
-                  f"{row['bwd_tile_elems']:9d} " + " ".join(
+            label = ", ".join(f"{k}={v}" for k, v in moved.items()) or "defaults"
+            print(f"{label:40s} " + " ".join(
                 f"{row['ms'][n]:20.2f} {row['read_fwd_ms'][n]:7.2f}/{row['read_bwd_ms'][n]:<7.2f}" for n in impls), flush=True)
             out.write_text(json.dumps(info, indent=2))
     except KeyboardInterrupt:

@@ -123,6 +123,56 @@ def test_run_gpu_without_a_gpu_says_so_in_one_line(tmp_path):
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_tile_sweep_names_a_bad_configuration_before_it_looks_for_a_gpu():
+    """--config NAME=VALUE,...: knobs moved together; a name that is no knob, or a value that is
+    none of the allowed, is one line naming the option and exit 2, before any look for a GPU."""
+    import subprocess
+
+    import tile_sweep
+
+    for bad in ("PREFETCH=maybe", "PREFETCH=true,FETCH=true"):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tile_sweep.py"), "--config", bad],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and f"--config {bad.split(',')[-1]!r}: allowed: NAME=VALUE" in r.stderr, r.stderr
+    assert tile_sweep.parse_triton_knobs(["PREFETCH=true", "BWD_PROGRAMS_PER_SM=8"], None) == {
+        "PREFETCH": True, "BWD_PROGRAMS_PER_SM": 8}
+
+
+def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_path, monkeypatch, capsys):
+    """tile_sweep's configurations: the defaults, then each knob moved alone (a value equal to the
+    default is not timed twice), or with --config the knobs moved together; --triton sets a knob in
+    every row. Timing and profiling stood in (no GPU here): what runs is the choice of configurations,
+    the knobs each is timed under, the table and the JSON."""
+    import tile_sweep
+    from attnres.kernels import triton_kernels as tk
+
+    for name in tk.KNOBS:  # restored after the test
+        monkeypatch.setattr(tk, name, getattr(tk, name))
+    seen = []
+    monkeypatch.setattr(tile_sweep.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tile_sweep, "make_inputs", lambda *a, **k: None)
+    monkeypatch.setattr(tile_sweep, "ours", lambda *a: (lambda *x: None))
+    monkeypatch.setattr(tile_sweep, "machine", lambda: {})
+    monkeypatch.setattr(tile_sweep, "bench", lambda *a: [seen.append({k: getattr(tk, k) for k in tk.KNOBS}) or 1.0])
+    monkeypatch.setattr(tile_sweep, "profiled", lambda *a, **k: dict(
+        wall_ms=1.0, busy_ms=1.0, read_fwd_ms=float(tk.FWD_TILE_ELEMS), read_bwd_ms=1.0, top=[]))
+    default = {k: getattr(tk, k) for k in tk.KNOBS}
+    info = tile_sweep.main(["--reader-groups", f"{default['READER_GROUP']},1",
+                            "--fwd", f"{default['FWD_TILE_ELEMS']},8192", "--bwd", "", "--bwd-warps", "",
+                            "--bwd-programs", "", "--json", str(tmp_path / "a.json")])
+    assert [r["moved"] for r in info["rows"]] == [{}, {"PREFETCH": not default["PREFETCH"]}, {"READER_GROUP": 1},
+                                                  {"BWD_DQ_SECOND_PASS": not default["BWD_DQ_SECOND_PASS"]},
+                                                  {"FWD_TILE_ELEMS": 8192}]
+    assert [r["read_fwd_ms"]["fused per read"] for r in info["rows"]][-1] == 8192.0  # timed under its knobs
+    assert seen[-1] == {**default, "FWD_TILE_ELEMS": 8192} and {k: getattr(tk, k) for k in tk.KNOBS} == default
+    info = tile_sweep.main(["--triton", "BWD_PROGRAMS_PER_SM=8", "--config", "PREFETCH=false,READER_GROUP=none",
+                            "--json", str(tmp_path / "b.json")])
+    assert [r["moved"] for r in info["rows"]] == [{}, {"PREFETCH": False, "READER_GROUP": None}]
+    assert all(r["knobs"]["BWD_PROGRAMS_PER_SM"] == 8 for r in info["rows"])
+    assert json.loads((tmp_path / "b.json").read_text())["rows"] == info["rows"]
+    assert "READER_GROUP=None, PREFETCH=False" in capsys.readouterr().out
+
+
 def test_gpu_check_cases_hold_every_pair_of_knob_values():
     """The default read cases of gpu_check.py (few: each compiles its own kernels on a GPU whose
     minutes are counted) still meet every pair of values of any two knobs."""
@@ -216,7 +266,7 @@ def test_gpu_check_script_runs_under_the_triton_interpreter():
     lines = r.stdout.splitlines()
     assert lines[-1] == "ALL OK" and not any(line.startswith("FAIL") for line in lines)
     # reads (8 cases, output and gradients, two dtypes), schedules (5 variants, 4 comparisons), training
-    assert sum(line.startswith("ok ") for line in lines) == 2 * 8 * 2 + 5 * 4 + 2
+    assert sum(line.startswith("ok ") for line in lines) == 2 * 8 * 2 + 5 * 5 + 2
 
 
 def test_op_bench_peak_memory_is_measured_above_the_inputs_alone(monkeypatch):
@@ -318,7 +368,7 @@ def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_pa
     """kernel_resources.py compiles, for sm_90a and without a GPU, every Triton kernel one block
     step launches and reads registers and occupancy from the cubins; --triton BWD_WARPS=16 reaches the
     backward alone; --triton READER_GROUP=1 makes every read launch one reader, the backward's
-    later launches accumulating; --triton BWD_DQ_SECOND_PASS=true reaches the backward. In a child process: it replaces Triton's active driver for good."""
+    later launches accumulating; --triton BWD_DQ_SECOND_PASS=false (the default's opposite) reaches the backward. In a child process: it replaces Triton's active driver for good."""
     import subprocess
 
     pytest.importorskip("triton")
@@ -326,7 +376,7 @@ def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_pa
             "print(json.dumps([kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_WARPS=16']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'READER_GROUP=1']), "
-            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_DQ_SECOND_PASS=true'])]))")
+            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_DQ_SECOND_PASS=false'])]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], capture_output=True, text=True,
                        env=env, timeout=600, cwd=tmp_path)
@@ -344,8 +394,8 @@ def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_pa
     assert {row["spec"]["R"] for row in reads(default)} == {1, 2, 3} and {row["spec"]["R"] for row in reads(single)} == {1}
     assert any(row["spec"].get("ACCUMULATE") for row in single) and not any(row["spec"].get("ACCUMULATE") for row in default)
     backwards = lambda rows: [row for row in rows if row["kernel"] == "_read_bwd_kernel"]  # noqa: E731
-    assert all(row["spec"]["DQ_SECOND_PASS"] for row in backwards(second))
-    assert not any(row["spec"]["DQ_SECOND_PASS"] for row in backwards(default))
+    assert all(row["spec"]["DQ_SECOND_PASS"] for row in backwards(default))  # the default: on
+    assert not any(row["spec"]["DQ_SECOND_PASS"] for row in backwards(second))
 
 
 @pytest.mark.slow  # compiles the step's Triton kernels to cubins

@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -112,6 +113,7 @@ def test_triton_reads_in_reader_groups_equal_one_group(path, monkeypatch, varian
     1e-6 (fp32; only the order of the sums over readers changes), and the PyTorch path's to 1e-4."""
     from attnres.kernels import triton_kernels
 
+    monkeypatch.setattr(triton_kernels, "READER_GROUP", None)
     run, want, one_group = _triton_against_torch(path, variant, num_layers, seed=6)
     for size in (1, 2, 3):
         monkeypatch.setattr(triton_kernels, "READER_GROUP", size)
@@ -132,11 +134,48 @@ def test_triton_query_gradient_from_a_second_pass_equals_the_first_passes(path, 
     in another order) and the PyTorch path's to 1e-4."""
     from attnres.kernels import triton_kernels
 
+    monkeypatch.setattr(triton_kernels, "BWD_DQ_SECOND_PASS", False)
     run, want, one_pass = _triton_against_torch(path, variant, num_layers, seed=7)
     monkeypatch.setattr(triton_kernels, "BWD_DQ_SECOND_PASS", True)
     second = run()
     _compare(second, one_pass, dict(rtol=1e-5, atol=1e-5), f"{variant}, dq in a second pass vs the first")
     _compare(second, want, TOL, f"{variant}, dq in a second pass vs the PyTorch path")
+
+
+@needs_triton
+@pytest.mark.parametrize("variant,num_layers,others", [
+    ("full", FULL_CHUNK, {}), ("block_multihead", 8, {}), ("full_sigmoid", 5, {}), ("full_input_query", 6, {}),
+    ("full", FULL_CHUNK, {"READER_GROUP": None, "BWD_DQ_SECOND_PASS": False})])
+def test_triton_prefetch_of_the_next_source_changes_nothing(path, monkeypatch, variant, num_layers, others):
+    """PREFETCH: each loop over the sources loads source i + 1 before it uses source i (the last
+    iteration's load masked off). Only when the loads are issued changes, not what is summed in
+    which order: outputs and every gradient equal those with it toggled to 1e-6 (fp32), with the
+    other knobs at their defaults and with one reader group and the one-pass backward, and the
+    PyTorch path's to 1e-4."""
+    from attnres.kernels import triton_kernels
+
+    for name, value in others.items():
+        monkeypatch.setattr(triton_kernels, name, value)
+    run, want, plain = _triton_against_torch(path, variant, num_layers, seed=8)
+    monkeypatch.setattr(triton_kernels, "PREFETCH", not triton_kernels.PREFETCH)
+    toggled = run()
+    _compare(toggled, plain, dict(rtol=1e-6, atol=1e-6), f"{variant}, prefetch toggled vs not")
+    _compare(toggled, want, TOL, f"{variant}, prefetch toggled vs the PyTorch path")
+
+
+@needs_triton
+def test_backward_programs_per_sm_set_its_grid(monkeypatch):
+    """BWD_PROGRAMS_PER_SM: the backward's persistent grid on a GPU is that many programs per SM,
+    never more than its row tiles (the SM count stood in: no GPU here); three under the interpreter."""
+    from attnres.kernels import triton_kernels as tk
+
+    cuda = torch.device("cuda")
+    assert tk._programs(10_000, torch.device("cpu")) == 3
+    monkeypatch.setattr(tk, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    assert tk._programs(10_000, cuda) == tk.BWD_PROGRAMS_PER_SM * 132
+    with tk.knobs(BWD_PROGRAMS_PER_SM=8):
+        assert tk._programs(10_000, cuda) == 8 * 132 and tk._programs(700, cuda) == 700
 
 
 @needs_triton
@@ -146,9 +185,11 @@ def test_knobs_hold_within_their_block_only():
     from attnres.kernels import triton_kernels as tk
 
     before = (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS)
+    inside = (3 if before[0] == 2 else 2, not before[1])
     with pytest.raises(RuntimeError, match="inside"):
-        with tk.knobs(READER_GROUP=2, BWD_DQ_SECOND_PASS=True):
-            assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS) == (2, True) and tk._reader_groups(5) == [(0, 2), (2, 4), (4, 5)]
+        with tk.knobs(READER_GROUP=inside[0], BWD_DQ_SECOND_PASS=inside[1]):
+            assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS) == inside
+            assert tk._reader_groups(5)[0] == (0, inside[0])
             raise RuntimeError("inside")
     assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS) == before
     with pytest.raises(ValueError, match="READER_GROUPS: not a knob of the Triton kernels; allowed: READER_GROUP"):
@@ -159,8 +200,8 @@ def test_knobs_hold_within_their_block_only():
 @needs_triton
 def test_pointer_tables_are_kept_by_their_pointers(monkeypatch):
     """A read's table holds its sources' data pointers, then their 1/rms' (a view from the n-th
-    entry); the same pointers again find the same table, other pointers another one, and the
-    oldest table goes first when the cache is full."""
+    entry), then 0 (what PREFETCH's load past the last source reads); the same pointers again find
+    the same table, other pointers another one, and the oldest table goes first when the cache is full."""
     from attnres.kernels import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "_TABLES", {})
@@ -168,11 +209,11 @@ def test_pointer_tables_are_kept_by_their_pointers(monkeypatch):
     cpu = torch.device("cpu")
     a, b, ra, rb = (torch.randn(4, 3), torch.randn(4, 3), torch.randn(4), torch.randn(4))
     src, rms = triton_kernels._tables([a, b], [ra, rb], cpu)
-    assert src.tolist() == [t.data_ptr() for t in (a, b, ra, rb)] and rms.tolist() == [ra.data_ptr(), rb.data_ptr()]
+    assert src.tolist() == [t.data_ptr() for t in (a, b, ra, rb)] + [0] and rms.tolist() == [ra.data_ptr(), rb.data_ptr(), 0]
     again, _ = triton_kernels._tables([a, b], [ra, rb], cpu)
     assert again is src
     raw, raw_rms = triton_kernels._tables([b, a], [], cpu)  # raw keys: one table, both names
-    assert raw.tolist() == [b.data_ptr(), a.data_ptr()] and raw_rms is raw
+    assert raw.tolist() == [b.data_ptr(), a.data_ptr(), 0] and raw_rms is raw
     triton_kernels._tables([a], [], cpu)  # a third table: the first one goes
     assert triton_kernels._tables([a, b], [ra, rb], cpu)[0] is not src
 
@@ -238,8 +279,8 @@ PEAKED_CASES = {  # name: (backend, heads, scale of the query, seed): logits of 
     "depth_read_one.c, saturated": ("read_one", 1, 1e6, 0),
     "Triton": ("triton", 1, 10.0, 0),
     "Triton (2 heads)": ("triton", 2, 30.0, 0),
-    "Triton, dq in a second pass": ("triton_dq2", 1, 10.0, 0),
-    "Triton, dq in a second pass (2 heads)": ("triton_dq2", 2, 30.0, 0),
+    "Triton, dq pass toggled": ("triton_dq_toggled", 1, 10.0, 0),
+    "Triton, dq pass toggled (2 heads)": ("triton_dq_toggled", 2, 30.0, 0),
 }
 
 
@@ -282,11 +323,11 @@ def test_gradients_through_a_peaked_softmax_are_as_precise_as_the_pytorch_paths(
 
     exact = gradients(reference, torch.float64)
     pytorch = gradients(reference, torch.float32)
-    if backend == "triton_dq2":
+    if backend == "triton_dq_toggled":
         from attnres.kernels import triton_kernels
 
-        monkeypatch.setattr(triton_kernels, "BWD_DQ_SECOND_PASS", True)
-    path({"read_one": "cpu", "triton_dq2": "triton"}.get(backend, backend))
+        monkeypatch.setattr(triton_kernels, "BWD_DQ_SECOND_PASS", not triton_kernels.BWD_DQ_SECOND_PASS)
+    path({"read_one": "cpu", "triton_dq_toggled": "triton"}.get(backend, backend))
     got = gradients(kernel, torch.float32)
     floor = 1e-6 * max(e.abs().max().item() for e in exact)
     names = [f"source {i}" for i in range(n)] + ["query", "key-norm gain"]

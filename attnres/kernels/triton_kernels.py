@@ -82,12 +82,23 @@ def _source(src_table, i, src0, tile, tile_ok, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _source_ahead(src_table, i, n_src, src0, tile, tile_ok, ALIGNED: tl.constexpr):
+    """Source i's [T, W] tile in the sources' own dtype, zeros past the last source (PREFETCH: the
+    load is issued one iteration before its use, and converting it to fp32 here would wait for it)."""
+    # i = n_src reads the table's next entry (a 1/rms pointer or the closing 0); the load is masked off
+    src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+    return tl.load(src + tile, mask=tile_ok & (tl.full([1, 1], i, tl.int32) < n_src), other=0.0)
+
+
+@triton.jit
 def _read_fwd_kernel(
     src_table, rms_table, src0, q_ptr, o0_ptr, lse0_ptr, out_ptr, lse_ptr,
     n_src, n_rows, reader_stride, d, H, W,
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -117,8 +128,14 @@ def _read_fwd_kernel(
         m = tl.full([R_PAD, BLOCK_T], float("-inf"), tl.float32)
         ell = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
 
+    if PREFETCH:
+        v_next = _source_ahead(src_table, 0, n_src, src0, tile, tile_ok, ALIGNED)
     for i in range(n_src):
-        v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)  # read once for all readers
+        if PREFETCH:  # source i + 1 is on its way while source i is used
+            v = v_next.to(tl.float32)
+            v_next = _source_ahead(src_table, i + 1, n_src, src0, tile, tile_ok, ALIGNED)
+        else:
+            v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)  # read once for all readers
         s = _sum(q * v[None, :, :], 2)
         if KEY_NORM:
             rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
@@ -145,7 +162,7 @@ def _read_bwd_kernel(
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DQ_SECOND_PASS: tl.constexpr,
+    DQ_SECOND_PASS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # dL/dt_i = α_i (B_i − Δ) with B_i = g·v_i and Δ = Σ_i α_i B_i − g_lse. Δ is accumulated here
     # in fp32 from the sources rather than taken as g·out from the stored output, which may be
@@ -203,8 +220,14 @@ def _read_bwd_kernel(
             mean = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
         weight = tl.full([R_PAD, BLOCK_T], 0.0, tl.float32)
         scr_i = scratch_ptr
+        if PREFETCH:
+            v_next = _source_ahead(src_table, 0, n_src, src0, tile, tile_ok, ALIGNED)
         for i in range(n_src):
-            v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)
+            if PREFETCH:
+                v = v_next.to(tl.float32)
+                v_next = _source_ahead(src_table, i + 1, n_src, src0, tile, tile_ok, ALIGNED)
+            else:
+                v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)
             qv = _sum(q * v[None, :, :], 2)
             if KEY_NORM:
                 rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
@@ -320,26 +343,45 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# Elements of one [R, T, W] fp32 tile on a GPU, forward and backward, and the backward's warps
-# (None: by the tile's size, as the forward's). benchmarks/tile_sweep.py times other values,
-# benchmarks/kernel_resources.py counts their registers without a GPU.
-FWD_TILE_ELEMS, BWD_TILE_ELEMS, BWD_WARPS = 4096, 2048, None
+# The knobs of the kernels on a GPU. Defaults as measured on an H200 with Triton 3.6 on
+# 2026-11-30 (benchmarks/RESULTS.md, "Knob defaults"): the read kernels' own time at op_bench's work
+# (tile_sweep.py) and step times at the 194m model (model_bench.py --triton NAME=VALUE).
+
+# Elements of one [R, T, W] fp32 tile, forward and backward, and the backward's warps (None: by the
+# tile's size, as the forward's). Forward 2048 rather than 4096: one-reader reads' forward 5.8 ->
+# 4.3 ms (one 2048-channel row a program instead of two); kernel_resources.py counts registers.
+FWD_TILE_ELEMS, BWD_TILE_ELEMS, BWD_WARPS = 2048, 2048, None
 
 # The backward's query gradient from a second read of the sources, Δ known (see _read_bwd_kernel),
-# instead of two more accumulators in its first pass. Off until a GPU has timed it.
-BWD_DQ_SECOND_PASS = False
+# instead of two more accumulators in its first pass. With PREFETCH: backward 12.7 -> 12.2 ms per
+# read, 17.0 -> 15.2 ms two-phase; with READER_GROUP = 4, Full's 194m step ratio 1.52 -> 1.45.
+BWD_DQ_SECOND_PASS = True
 
 # Readers one launch takes at most (None: all of a read's readers). A tile holds R readers padded
 # to a power of two: Full's last phase-1 read (8 sublayers and the output read) has 9, padded to
-# 16, and its backward spills registers when compiled for sm_90a (benchmarks/RESULTS.md). Groups of
-# at most READER_GROUP readers pad less and hold smaller tiles, for one more read of the sources
-# per group (the backward adds each group's source gradients to the last's). Which is faster is a
-# GPU measurement (benchmarks/tile_sweep.py, model_bench.py --triton READER_GROUP=k); until one
-# says, one group.
-READER_GROUP = None
+# 16, and its backward spills registers when compiled for sm_90a. Groups of at most READER_GROUP
+# readers pad less and hold smaller tiles, for one more read of the sources per group (the
+# backward adds each group's source gradients to the last's). Groups of 4 with the second pass
+# above: Full as measured there; groups of 1 or 2 slowed the two-phase backward (16.8 -> 26.8 and
+# 25.6 ms). Block with S <= 3 never splits.
+READER_GROUP = 4
+
+# Each loop over the sources (forward, and the backward's first pass) issues the load of source
+# i + 1 before it uses source i: one more tile in flight per program, for one more [T, W] tile of
+# registers in the sources' dtype (a program holds one 2048-channel row and waits for each load
+# before its reductions). Forward 4.3 -> 3.9 ms per read, 6.8 -> 5.9 two-phase; in the backward it
+# pays only with the second pass (alone: 12.7 -> 15.3 ms per read).
+PREFETCH = True
+
+# Programs of the backward per SM (its grid is persistent: each program walks row tiles). At 4 a
+# program of 4 warps leaves an SM at most a quarter of its warps, however few registers it needs;
+# more programs than fit at once run in waves. 8 with PREFETCH alone: backward 15.3 -> 12.6 ms per
+# read; not yet timed with the second pass, so 4.
+BWD_PROGRAMS_PER_SM = 4
 
 # The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
-KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS")
+KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS", "PREFETCH",
+         "BWD_PROGRAMS_PER_SM")
 
 
 @contextlib.contextmanager
@@ -395,7 +437,7 @@ def _tables(sources: list[torch.Tensor], inv_rms: list[torch.Tensor], device) ->
     if table is None:
         if len(_TABLES) >= _TABLES_KEPT:
             del _TABLES[next(iter(_TABLES))]  # the oldest
-        table = torch.tensor(key[2:], dtype=torch.int64)
+        table = torch.tensor((*key[2:], 0), dtype=torch.int64)  # 0 past the end: PREFETCH reads it
         if device.type == "cuda":
             # From pinned memory (torch's caching host allocator) the copy is asynchronous; from pageable
             # memory CUDA may make the host wait, and a wait in every read would drain the launch queue.
@@ -412,11 +454,11 @@ def _aligned(tensors: list[torch.Tensor]) -> bool:
 
 
 def _programs(n_tiles: int, device: torch.device) -> int:
-    """Programs of the backward: a few per SM on a GPU, each walking several row tiles; three
-    under the interpreter, so that the tests run that walk."""
+    """Programs of the backward: BWD_PROGRAMS_PER_SM per SM on a GPU, each walking several row
+    tiles; three under the interpreter, so that the tests run that walk."""
     if INTERPRET or device.type != "cuda":
         return min(n_tiles, 3)
-    return min(n_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_tiles, BWD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
@@ -441,7 +483,7 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
             init_out[r0:r1] if has_init else out, init_lse[r0:r1] if has_init else lse,
             out[r0:r1], lse[r0:r1], len(sources), n_rows, N * d, d, H, W,
             R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=bool(inv_rms), SIGMOID=sigmoid,
-            PER_TOKEN=per_token, HAS_INIT=has_init, ALIGNED=_aligned(sources), num_warps=warps,
+            PER_TOKEN=per_token, HAS_INIT=has_init, ALIGNED=_aligned(sources), PREFETCH=PREFETCH, num_warps=warps,
         )
     return out, lse
 
@@ -487,7 +529,8 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
             n, n_rows, n_tiles, N * d, d, H, W,
             R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
             PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
-            ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, DQ_SECOND_PASS=BWD_DQ_SECOND_PASS, num_warps=warps,
+            ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, DQ_SECOND_PASS=BWD_DQ_SECOND_PASS,
+            PREFETCH=PREFETCH, num_warps=warps,
         )
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
