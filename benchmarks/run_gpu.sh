@@ -50,24 +50,24 @@ stage() {  # stage NAME SHARE_S COMMAND...: output appended to $out/gpu.txt, its
 }
 
 # 1. The kernels are right on the device (the CPU tests run them under Triton's interpreter).
-stage gpu_check 120 "$py" benchmarks/gpu_check.py
+stage gpu_check 100 "$py" benchmarks/gpu_check.py
 # 2. Model level: the 194m preset, bf16 autocast, compiled; step time and peak memory vs baseline,
 #    one process per bar (the baseline's second compile hits Inductor's cache), and the costliest
 #    kernels of one step of each (where the extra time goes).
-stage model_bench_block 180 "$py" benchmarks/model_bench.py --preset 194m --compile --variants block \
+stage model_bench_block 100 "$py" benchmarks/model_bench.py --preset 194m --compile --variants block \
   --rounds 8 --warmup 2 --profile 14 --json "$out/model_bench_cuda_194m_block.json"
 # 3. Op level: the issue's work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, fwd+bwd); the
 #    eager reference, our Block schedule and fla-core first, then the other implementations.
-stage op_bench 130 "$py" benchmarks/op_bench.py --json "$out/op_bench_cuda.json"
-stage model_bench_full 120 "$py" benchmarks/model_bench.py --preset 194m --compile --variants full \
+stage op_bench 160 "$py" benchmarks/op_bench.py --json "$out/op_bench_cuda.json"
+stage model_bench_full 75 "$py" benchmarks/model_bench.py --preset 194m --compile --variants full \
   --rounds 8 --warmup 2 --profile 14 --json "$out/model_bench_cuda_194m_full.json"
 # 4. Full with one read per sublayer instead of two-phase (never timed on a GPU; block's per-read
 #    schedule was the faster of block's two on 2026-11-30).
-ATTNRES_SCHEDULE=per_read stage model_bench_full_per_read 90 "$py" benchmarks/model_bench.py --preset 194m \
+ATTNRES_SCHEDULE=per_read stage model_bench_full_per_read 70 "$py" benchmarks/model_bench.py --preset 194m \
   --compile --variants full --rounds 6 --warmup 2 --json "$out/model_bench_cuda_194m_full_per_read.json"
 # 5. Block with one read per sublayer instead of the two-phase schedule (faster at op level on both
 #    H200 runs, and at 194m on the second: 1.18 vs 1.23): which one block should use on CUDA.
-ATTNRES_SCHEDULE=per_read stage model_bench_block_per_read 90 "$py" benchmarks/model_bench.py --preset 194m \
+ATTNRES_SCHEDULE=per_read stage model_bench_block_per_read 65 "$py" benchmarks/model_bench.py --preset 194m \
   --compile --variants block --rounds 6 --warmup 2 --json "$out/model_bench_cuda_194m_block_per_read.json"
 # 6. The fused reads' kernels against their wall time, and the Triton knobs one at a time (what is left).
 stage tile_sweep 120 "$py" benchmarks/tile_sweep.py --json "$out/tile_sweep_cuda.json"
