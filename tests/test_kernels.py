@@ -142,25 +142,33 @@ def test_triton_query_gradient_from_a_second_pass_equals_the_first_passes(path, 
     _compare(second, want, TOL, f"{variant}, dq in a second pass vs the PyTorch path")
 
 
+# Knobs that change when loads are issued or how a sum is reduced, not what is summed: toggled,
+# every output and gradient equals the untoggled one to this tolerance (fp32).
+ORDER_KNOBS = {"PREFETCH": 1e-6, "PAIRED_SUMS": 1e-5}
+
+
 @needs_triton
+@pytest.mark.parametrize("knob", sorted(ORDER_KNOBS))
 @pytest.mark.parametrize("variant,num_layers,others", [
     ("full", FULL_CHUNK, {}), ("block_multihead", 8, {}), ("full_sigmoid", 5, {}), ("full_input_query", 6, {}),
     ("full", FULL_CHUNK, {"READER_GROUP": None, "BWD_DQ_SECOND_PASS": False})])
-def test_triton_prefetch_of_the_next_source_changes_nothing(path, monkeypatch, variant, num_layers, others):
+def test_triton_knobs_of_order_change_nothing(path, monkeypatch, knob, variant, num_layers, others):
     """PREFETCH: each loop over the sources loads source i + 1 before it uses source i (the last
-    iteration's load masked off). Only when the loads are issued changes, not what is summed in
-    which order: outputs and every gradient equal those with it toggled to 1e-6 (fp32), with the
-    other knobs at their defaults and with one reader group and the one-pass backward, and the
-    PyTorch path's to 1e-4."""
+    iteration's load masked off): only when the loads are issued changes (1e-6). PAIRED_SUMS: the
+    backward's q·v and g·v as one reduction of two tensors: the same sums, reduced together (1e-5:
+    the interpreter may add in another order). Toggled, with the other knobs at their defaults and
+    with one reader group and the one-pass backward: outputs and every gradient equal the
+    untoggled ones, and the PyTorch path's to 1e-4 (fp32)."""
     from attnres.kernels import triton_kernels
 
     for name, value in others.items():
         monkeypatch.setattr(triton_kernels, name, value)
     run, want, plain = _triton_against_torch(path, variant, num_layers, seed=8)
-    monkeypatch.setattr(triton_kernels, "PREFETCH", not triton_kernels.PREFETCH)
+    monkeypatch.setattr(triton_kernels, knob, not getattr(triton_kernels, knob))
     toggled = run()
-    _compare(toggled, plain, dict(rtol=1e-6, atol=1e-6), f"{variant}, prefetch toggled vs not")
-    _compare(toggled, want, TOL, f"{variant}, prefetch toggled vs the PyTorch path")
+    tol = dict(rtol=ORDER_KNOBS[knob], atol=ORDER_KNOBS[knob])
+    _compare(toggled, plain, tol, f"{variant}, {knob} toggled vs not")
+    _compare(toggled, want, TOL, f"{variant}, {knob} toggled vs the PyTorch path")
 
 
 @needs_triton

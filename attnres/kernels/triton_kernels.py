@@ -61,6 +61,18 @@ def _sum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _sum_pair(x, y, axis: tl.constexpr):
+    """The sums of x and of y over `axis` as one reduction: across warps, one exchange through
+    shared memory and its barriers for both instead of one each."""
+    return tl.reduce((x, y), axis, _add_pairs)
+
+
+@triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
@@ -162,7 +174,7 @@ def _read_bwd_kernel(
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DQ_SECOND_PASS: tl.constexpr, PREFETCH: tl.constexpr,
+    DQ_SECOND_PASS: tl.constexpr, PREFETCH: tl.constexpr, PAIRED_SUMS: tl.constexpr,
 ):
     # dL/dt_i = α_i (B_i − Δ) with B_i = g·v_i and Δ = Σ_i α_i B_i − g_lse. Δ is accumulated here
     # in fp32 from the sources rather than taken as g·out from the stored output, which may be
@@ -228,7 +240,11 @@ def _read_bwd_kernel(
                 v_next = _source_ahead(src_table, i + 1, n_src, src0, tile, tile_ok, ALIGNED)
             else:
                 v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)
-            qv = _sum(q * v[None, :, :], 2)
+            if PAIRED_SUMS:
+                qv, b = _sum_pair(q * v[None, :, :], g * v[None, :, :], 2)
+            else:
+                qv = _sum(q * v[None, :, :], 2)
+                b = _sum(g * v[None, :, :], 2)
             if KEY_NORM:
                 rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
                 rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
@@ -241,7 +257,6 @@ def _read_bwd_kernel(
             else:
                 alpha = tl.exp(s - lse)
                 c = rho * alpha
-            b = _sum(g * v[None, :, :], 2)
             delta += alpha * b
             weight_new = weight + alpha
             if not DQ_SECOND_PASS:
@@ -379,9 +394,14 @@ PREFETCH = True
 # read; not yet timed with the second pass, so 4.
 BWD_PROGRAMS_PER_SM = 4
 
+# The backward's first pass takes q·v_i and g·v_i for each source as one reduction over the
+# channels (a reduction of two tensors) rather than two: on a GPU each reduction across warps is an
+# exchange through shared memory between barriers, and the program waits at each. Not yet timed.
+PAIRED_SUMS = False
+
 # The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
 KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS", "PREFETCH",
-         "BWD_PROGRAMS_PER_SM")
+         "BWD_PROGRAMS_PER_SM", "PAIRED_SUMS")
 
 
 @contextlib.contextmanager
@@ -530,7 +550,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
             R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
             PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
             ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, DQ_SECOND_PASS=BWD_DQ_SECOND_PASS,
-            PREFETCH=PREFETCH, num_warps=warps,
+            PREFETCH=PREFETCH, PAIRED_SUMS=PAIRED_SUMS, num_warps=warps,
         )
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
