@@ -14,7 +14,8 @@ the knobs of attnres.kernels.triton_kernels, one moved from the defaults at a ti
 issued one iteration ahead of its use), each READER_GROUP (readers a launch takes at most: the
 two-phase schedule's phase-1 reads have S and S + 1 readers here), BWD_DQ_SECOND_PASS toggled (the
 backward's query gradient from a first or a second read), PAIRED_SUMS toggled (the backward's
-two sums over the channels as one reduction), each BWD_PROGRAMS_PER_SM, BWD_WARPS,
+two sums over the channels as one reduction), FOLD_RMS_GRAD toggled (the key norm's gradient
+added in each read's backward, no 1/rms backward), each BWD_PROGRAMS_PER_SM, BWD_WARPS,
 FWD_TILE_ELEMS and BWD_TILE_ELEMS (the elements of one [readers, rows, head width] fp32 tile a
 program holds). For each, the step's wall time and the read kernels' own time (profiled over 3
 steps; at this work the step is host-bound, and its wall time moved by ±15% between runs, the
@@ -105,7 +106,8 @@ def main(argv=None) -> dict:
     tried = {"PREFETCH": [] if args.no_prefetch else [not default["PREFETCH"]],
              "READER_GROUP": groups,
              "BWD_DQ_SECOND_PASS": [] if args.no_dq_pass else [not default["BWD_DQ_SECOND_PASS"]],
-             "PAIRED_SUMS": [not default["PAIRED_SUMS"]], "BWD_PROGRAMS_PER_SM": programs, "BWD_WARPS": bwd_warps, "FWD_TILE_ELEMS": fwd_budgets,
+             "PAIRED_SUMS": [not default["PAIRED_SUMS"]], "FOLD_RMS_GRAD": [not default["FOLD_RMS_GRAD"]],
+             "BWD_PROGRAMS_PER_SM": programs, "BWD_WARPS": bwd_warps, "FWD_TILE_ELEMS": fwd_budgets,
              "BWD_TILE_ELEMS": bwd_budgets}
     configs = [default] + ([{**default, **c} for c in together] if together else
                            [{**default, k: v} for k, values in tried.items() for v in values if v != default[k]])

@@ -162,7 +162,8 @@ def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_pat
                             "--bwd-programs", "", "--json", str(tmp_path / "a.json")])
     assert [r["moved"] for r in info["rows"]] == [{}, {"PREFETCH": not default["PREFETCH"]}, {"READER_GROUP": 1},
                                                   {"BWD_DQ_SECOND_PASS": not default["BWD_DQ_SECOND_PASS"]},
-                                                  {"PAIRED_SUMS": not default["PAIRED_SUMS"]}, {"FWD_TILE_ELEMS": 8192}]
+                                                  {"PAIRED_SUMS": not default["PAIRED_SUMS"]},
+                                                  {"FOLD_RMS_GRAD": not default["FOLD_RMS_GRAD"]}, {"FWD_TILE_ELEMS": 8192}]
     assert [r["read_fwd_ms"]["fused per read"] for r in info["rows"]][-1] == 8192.0  # timed under its knobs
     assert seen[-1] == {**default, "FWD_TILE_ELEMS": 8192} and {k: getattr(tk, k) for k in tk.KNOBS} == default
     info = tile_sweep.main(["--triton", "BWD_PROGRAMS_PER_SM=8", "--config", "PREFETCH=false,READER_GROUP=none",
@@ -266,7 +267,7 @@ def test_gpu_check_script_runs_under_the_triton_interpreter():
     lines = r.stdout.splitlines()
     assert lines[-1] == "ALL OK" and not any(line.startswith("FAIL") for line in lines)
     # reads (8 cases, output and gradients, two dtypes), schedules (5 variants, 4 comparisons), training
-    assert sum(line.startswith("ok ") for line in lines) == 2 * 8 * 2 + 5 * 6 + 2
+    assert sum(line.startswith("ok ") for line in lines) == 2 * 8 * 2 + 5 * 7 + 2
 
 
 def test_op_bench_peak_memory_is_measured_above_the_inputs_alone(monkeypatch):

@@ -142,9 +142,10 @@ def test_triton_query_gradient_from_a_second_pass_equals_the_first_passes(path, 
     _compare(second, want, TOL, f"{variant}, dq in a second pass vs the PyTorch path")
 
 
-# Knobs that change when loads are issued or how a sum is reduced, not what is summed: toggled,
-# every output and gradient equals the untoggled one to this tolerance (fp32).
-ORDER_KNOBS = {"PREFETCH": 1e-6, "PAIRED_SUMS": 1e-5}
+# Knobs that change when loads are issued, how a sum is reduced or which node of autograd adds a
+# term, not the math: toggled, every output and gradient equals the untoggled one to this
+# tolerance (fp32).
+ORDER_KNOBS = {"PREFETCH": 1e-6, "PAIRED_SUMS": 1e-5, "FOLD_RMS_GRAD": 1e-5}
 
 
 @needs_triton
@@ -156,9 +157,11 @@ def test_triton_knobs_of_order_change_nothing(path, monkeypatch, knob, variant, 
     """PREFETCH: each loop over the sources loads source i + 1 before it uses source i (the last
     iteration's load masked off): only when the loads are issued changes (1e-6). PAIRED_SUMS: the
     backward's q·v and g·v as one reduction of two tensors: the same sums, reduced together (1e-5:
-    the interpreter may add in another order). Toggled, with the other knobs at their defaults and
-    with one reader group and the one-pass backward: outputs and every gradient equal the
-    untoggled ones, and the PyTorch path's to 1e-4 (fp32)."""
+    the interpreter may add in another order). FOLD_RMS_GRAD: the key norm's gradient added to
+    each source's gradient by every read's backward instead of by one rms backward per source
+    (1e-5; block_multihead, of 4 heads, does not fold). Toggled, with the other knobs at their
+    defaults and with one reader group and the one-pass backward: outputs and every gradient equal
+    the untoggled ones, and the PyTorch path's to 1e-4 (fp32)."""
     from attnres.kernels import triton_kernels
 
     for name, value in others.items():
@@ -169,6 +172,37 @@ def test_triton_knobs_of_order_change_nothing(path, monkeypatch, knob, variant, 
     tol = dict(rtol=ORDER_KNOBS[knob], atol=ORDER_KNOBS[knob])
     _compare(toggled, plain, tol, f"{variant}, {knob} toggled vs not")
     _compare(toggled, want, TOL, f"{variant}, {knob} toggled vs the PyTorch path")
+
+
+@needs_triton
+@pytest.mark.parametrize("variant,folds", [("full", True), ("full_input_query", True), ("block_multihead", False),
+                                           ("block_no_rmsnorm", False)])
+def test_triton_folded_rms_gradient_leaves_out_the_rms_backward(path, monkeypatch, variant, folds):
+    """FOLD_RMS_GRAD on: reads of one head with key norm fold the key norm's gradient into their
+    own backward, so the 1/rms backward kernel never runs; four heads (a row is one head) and no
+    key norm run as before. Eager and compiled (aot_eager, one graph) give the same outputs and
+    gradients as the unfolded path to 1e-5 (fp32)."""
+    from attnres.kernels import triton_kernels
+
+    calls = []
+    rms_backward = triton_kernels.inv_rms_backward
+    monkeypatch.setattr(triton_kernels, "inv_rms_backward", lambda *a: calls.append(1) or rms_backward(*a))
+    path("triton", "two_phase")
+    res = _module(variant, num_layers=4, block_size=2)
+    subs, ws = _sublayers(4)
+    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    monkeypatch.setattr(triton_kernels, "FOLD_RMS_GRAD", False)
+    want = _run(res, x, subs, ws)
+    unfolded_calls, calls[:] = len(calls), []
+    monkeypatch.setattr(triton_kernels, "FOLD_RMS_GRAD", True)
+    got = _run(res, x, subs, ws)
+    assert (unfolded_calls > 0) == (variant != "block_no_rmsnorm")
+    assert len(calls) == (0 if folds else unfolded_calls), (len(calls), unfolded_calls)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    _compare(got, want, tol, f"{variant}, folded vs not")
+    torch._dynamo.reset()
+    compiled = torch.compile(res, backend="aot_eager", fullgraph=True)
+    _compare(_run(compiled, x, subs, ws), want, tol, f"{variant}, folded and compiled vs not")
 
 
 @needs_triton
@@ -266,10 +300,10 @@ def test_kernel_multi_reader_phase_one_and_merge_equal_one_read(path, backend, n
     Q = torch.randn(R, d, generator=torch.Generator().manual_seed(7), requires_grad=True)
     rms = lambda xs: [inv_rms_op(x, 1e-6) for x in xs]  # noqa: E731
     sig = normaliser == "sigmoid"
-    o, lse = depth_read_op(early, rms(early), Q, None, None, heads, sig, False, torch.float32)
+    o, lse = depth_read_op(early, rms(early), Q, None, None, heads, sig, False, torch.float32, False)
     outs, wants = [], []
     for r in range(R):
-        h, _ = depth_read_op(late, rms(late), Q[r : r + 1], o[r : r + 1], lse[r : r + 1], heads, sig, False, torch.float32)
+        h, _ = depth_read_op(late, rms(late), Q[r : r + 1], o[r : r + 1], lse[r : r + 1], heads, sig, False, torch.float32, False)
         outs.append(h[0])
         wants.append(depth_read(Q[r], early + late, None, normaliser=normaliser, heads=heads))
         torch.testing.assert_close(o[r], depth_read(Q[r], early, None, normaliser=normaliser, heads=heads), **TOL)

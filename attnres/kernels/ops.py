@@ -52,18 +52,23 @@ def depth_read_op(
     sigmoid: bool,
     per_token: bool,
     out_dtype: torch.dtype,
+    fold_rms: bool,
 ) -> tuple[Tensor, Tensor]:
     """R readers over n sources (each (N, d)); returns out (R, N, d) and lse (R, N, heads).
 
     query: (R, d) static queries (gain folded in), or (N, d) per token (R = 1) when per_token.
     inv_rms: each source's 1/rms (N,) in fp32, or empty for raw keys. init_out/init_lse: a
-    running read to continue (the phase-2 merge), or None.
+    running read to continue (the phase-2 merge), or None. fold_rms: `inv_rms` are constants
+    (the sources' own 1/rms, outside autograd) and the backward adds the key norm's gradient to
+    the sources' (see `read`); the forward is the same. It has no default: the dispatcher leaves
+    out arguments equal to their default, and the backward must return one gradient per argument
+    passed.
     """
     return _kernels(query).read_forward(list(sources), list(inv_rms), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
 
 
 @depth_read_op.register_fake
-def _(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
+def _(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms):
     ref = sources[0] if len(sources) else init_out
     N, d = ref.shape[-2], ref.shape[-1]
     R = 1 if per_token else query.shape[0]
@@ -83,11 +88,13 @@ def depth_read_backward_op(
     heads: int,
     sigmoid: bool,
     per_token: bool,
+    fold_rms: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_sources (n, N, d), d_inv_rms (n, N), d_query, d_init_out, d_init_lse); the absent ones
-    are empty tensors (a custom op returns tensors only)."""
+    (d_inv_rms with fold_rms) are empty tensors (a custom op returns tensors only)."""
     dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(
-        list(sources), list(inv_rms), query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token
+        list(sources), list(inv_rms), query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token,
+        fold_rms=fold_rms,
     )
 
     def empty():  # distinct placeholders: outputs of a custom op may not alias one another
@@ -99,12 +106,13 @@ def depth_read_backward_op(
 
 
 @depth_read_backward_op.register_fake
-def _(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token):
+def _(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token, fold_rms):
     R, N, d = grad_out.shape
     n = len(sources)
     out = grad_out
     dsrc = out.new_empty(n, N, d, dtype=sources[0].dtype if n else out.dtype)
-    drms = out.new_empty(n, N, dtype=torch.float32) if len(inv_rms) else out.new_empty(0, dtype=torch.float32)
+    folded = fold_rms or not len(inv_rms)
+    drms = out.new_empty(0, dtype=torch.float32) if folded else out.new_empty(n, N, dtype=torch.float32)
     dq = out.new_empty(N if per_token else R, d, dtype=torch.float32)
     do0 = out.new_empty(R, N, d, dtype=init_out.dtype) if init_out is not None else out.new_empty(0, dtype=torch.float32)
     dlse0 = out.new_empty(R, N, heads, dtype=torch.float32) if init_out is not None else out.new_empty(0, dtype=torch.float32)
@@ -112,9 +120,10 @@ def _(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, head
 
 
 def _setup(ctx, inputs, output):
-    sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, _ = inputs
+    sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, _, fold_rms = inputs
     out, lse = output
     ctx.n_src, ctx.n_rms = len(sources), len(inv_rms)
+    ctx.fold_rms = fold_rms
     ctx.has_init = init_out is not None
     ctx.heads, ctx.sigmoid, ctx.per_token = heads, sigmoid, per_token
     # A merge's backward reads, with the Triton kernels, its initial state o0; with the C kernels,
@@ -136,17 +145,17 @@ def _backward(ctx, grad_out, grad_lse, eager: bool = False):
         R, N, H = lse.shape
         grad_out = lse.new_zeros(R, N, query.shape[-1], dtype=ctx.out_dtype)
     args = (sources, inv_rms, query, init_out, init_lse, lse, grad_out.contiguous(),
-            None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token)
+            None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token, ctx.fold_rms)
     if eager:
-        dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args)
+        dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args[:-1], fold_rms=ctx.fold_rms)
     else:
         dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(*args)
     d_sources = list(dsrc.unbind(0)) if n else []  # (the operator stacks the C kernels' list)
-    d_rms = list(drms.unbind(0)) if k else []
+    d_rms = [None] * k if ctx.fold_rms else list(drms.unbind(0)) if k else []
     return (
         d_sources, d_rms, dq.to(query.dtype),
         do0 if ctx.has_init else None, dlse0 if ctx.has_init else None,
-        None, None, None, None,
+        None, None, None, None, None,  # heads, sigmoid, per_token, out_dtype, fold_rms (no default: see _setup)
     )
 
 
@@ -160,16 +169,17 @@ class _EagerRead(torch.autograd.Function):
     a small model; torch.compile needs the operator and gets it (`read`)."""
 
     @staticmethod
-    def forward(ctx, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, n, *tensors):
-        inputs = (list(tensors[:n]), list(tensors[n:]), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
-        output = _kernels(query).read_forward(*inputs)
+    def forward(ctx, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms, n, *tensors):
+        inputs = (list(tensors[:n]), list(tensors[n:]), query, init_out, init_lse, heads, sigmoid, per_token, out_dtype,
+                  fold_rms)
+        output = _kernels(query).read_forward(*inputs[:-1])
         _setup(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         d_sources, d_rms, dq, do0, dlse0, *_ = _backward(ctx, grad_out, grad_lse, eager=True)
-        return (dq, do0, dlse0, None, None, None, None, None, *d_sources, *d_rms)
+        return (dq, do0, dlse0, None, None, None, None, None, None, *d_sources, *d_rms)
 
 
 class _CRead(torch.autograd.Function):
@@ -252,22 +262,30 @@ def read(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token,
     tensors, lse (R, N, H)): the operator when torch.compile traces, a plain autograd.Function
     around the same kernels in eager mode (the C kernels: _CRead, one output tensor per reader).
 
-    fold_rms (eager only): `inv_rms` are the sources' own 1/rms, computed outside autograd
-    (`inv_rms_values`); the backward adds the key norm's gradient to the sources' gradients. One
-    autograd node per read instead of one more per source and a second gradient tensor to
-    accumulate for each (the sum over readers is the same)."""
+    fold_rms: `inv_rms` are the sources' own 1/rms, constants to autograd (`inv_rms_values`);
+    the backward adds the key norm's gradient to the sources' gradients. One autograd node per read
+    instead of one more per source and a second gradient tensor to accumulate for each (the sum
+    over readers is the same). The C kernels fold in eager mode (their default there); the Triton
+    kernels with one head when `triton_kernels.FOLD_RMS_GRAD` is set (see `fold_rms_in_triton`)."""
     if torch.compiler.is_compiling():
-        if fold_rms:
-            raise RuntimeError("fold_rms is for eager mode; under torch.compile the 1/rms must be inv_rms(...) outputs")
-        out, lse = depth_read_op(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype)
+        out, lse = depth_read_op(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype,
+                                 fold_rms)
         return out.unbind(0), lse
     if uses_c_kernels(query):
         *outs, lse = _CRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, fold_rms, len(sources), *sources, *inv_rms)
         return [o.to(out_dtype) for o in outs], lse
-    if fold_rms:
-        raise RuntimeError("fold_rms is an option of the C kernels (CPU tensors)")
-    out, lse = _EagerRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, len(sources), *sources, *inv_rms)
+    out, lse = _EagerRead.apply(query, init_out, init_lse, heads, sigmoid, per_token, out_dtype, fold_rms, len(sources),
+                                *sources, *inv_rms)
     return out.unbind(0), lse
+
+
+def fold_rms_in_triton(heads: int) -> bool:
+    """Whether reads on the Triton kernels fold the key norm's gradient (`read(fold_rms=True)`):
+    the knob `triton_kernels.FOLD_RMS_GRAD`, for one head (a kernel row is one head; 1/rms is
+    the token's)."""
+    from . import triton_kernels
+
+    return triton_kernels.FOLD_RMS_GRAD and heads == 1
 
 
 @torch.library.custom_op("attnres::inv_rms", mutates_args=())
@@ -326,6 +344,9 @@ def inv_rms(x: Tensor, eps: float) -> Tensor:
 
 
 def inv_rms_values(x: Tensor, eps: float) -> Tensor:
-    """1/rms of each row without autograd: for reads with fold_rms (see `read`)."""
+    """1/rms of each row without autograd: for reads with fold_rms (see `read`). Under
+    torch.compile the operator, detached (the graph needs an operator; its backward never runs)."""
+    if torch.compiler.is_compiling():
+        return inv_rms_op(x, eps).detach()
     with torch.no_grad():
         return _kernels(x).inv_rms_forward(x, eps)

@@ -217,9 +217,10 @@ class FusedReader(_ReaderBase):
         super().__init__(res, x, want_weights, two_phase)
         self.c_kernels = ops.uses_c_kernels(x)  # they read fp32 only
         self.store = torch.float32 if self.c_kernels else None  # storage type of the sources
-        # C kernels in eager mode: 1/rms outside autograd, its gradient folded into each read's
-        # backward (ops.read); the sources are then exactly the tensors their 1/rms was taken of.
-        self.fold_rms = self.c_kernels and not torch.compiler.is_compiling()
+        # 1/rms outside autograd, its gradient folded into each read's backward (ops.read): the C
+        # kernels in eager mode, where the sources are then exactly the tensors their 1/rms was
+        # taken of; the Triton kernels with one head when their knob says so (ops.fold_rms_in_triton).
+        self.fold_rms = (not torch.compiler.is_compiling()) if self.c_kernels else ops.fold_rms_in_triton(self.H)
         self.read_one_max, self.split = None, None  # sources ops.read_one takes, its token ranges: at the first read
 
     def rms(self, v: torch.Tensor) -> torch.Tensor:
@@ -242,7 +243,8 @@ class FusedReader(_ReaderBase):
         # 1/rms from the value as it arrived (an fp32 embedding before a cast to bf16 storage); on
         # the C path the keys are the stored fp32 values, and 1/rms waits for a read that needs it
         keys = stored if stored.dtype == torch.float32 else self.flat(v).contiguous()
-        rho = self.rms(keys) if self.res.key_norm and not self.fold_rms else None
+        later = self.fold_rms and self.c_kernels
+        rho = self.rms(keys) if self.res.key_norm and not later else None
         self.completed.append(_Source(stored, len(self.completed), rho))
 
     def rhos(self, sources: list[_Source]) -> list:
@@ -258,7 +260,8 @@ class FusedReader(_ReaderBase):
         ranges, once per reader: with the cold caches of a training step each line of a read's
         Python costs (benchmarks/RESULTS.md)."""
         if self.read_one_max is None:
-            self.read_one_max = ops.c_read_one_sources(self.completed[0].v, self.H) if self.fold_rms else 0
+            c_eager = self.fold_rms and self.c_kernels
+            self.read_one_max = ops.c_read_one_sources(self.completed[0].v, self.H) if c_eager else 0
             if self.read_one_max:
                 self.split = ops.cpu_kernels.read_one_split(self.N)
         return 0 < n <= self.read_one_max

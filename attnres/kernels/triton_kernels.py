@@ -174,7 +174,7 @@ def _read_bwd_kernel(
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DQ_SECOND_PASS: tl.constexpr, PREFETCH: tl.constexpr, PAIRED_SUMS: tl.constexpr,
+    DQ_SECOND_PASS: tl.constexpr, PREFETCH: tl.constexpr, PAIRED_SUMS: tl.constexpr, FOLD_RMS: tl.constexpr,
 ):
     # dL/dt_i = α_i (B_i − Δ) with B_i = g·v_i and Δ = Σ_i α_i B_i − g_lse. Δ is accumulated here
     # in fp32 from the sources rather than taken as g·out from the stored output, which may be
@@ -194,6 +194,8 @@ def _read_bwd_kernel(
     # adds up are P, not one per tile (16k of them at BLOCK_T = 1 and d = 2048).
     # ACCUMULATE: the readers are one group of several (READER_GROUP); the sources' gradients and
     # 1/rms gradients are added to what the groups before wrote (each element by one program).
+    # FOLD_RMS (one head, key norm): the sources' 1/rms are constants to autograd, and the key
+    # norm's gradient is added to each source's gradient here, from the source read again in pass 2.
     pid = tl.program_id(0)
     cols = tl.arange(0, W_PAD)
     readers = tl.arange(0, R_PAD)
@@ -296,7 +298,8 @@ def _read_bwd_kernel(
             scr_i += 3 * plane
             if KEY_NORM:
                 rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
-                rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
+                rho_rows = tl.load(rms + tokens, mask=row_ok, other=1.0)
+                rho = rho_rows[None, :]
             else:
                 rho = tl.full([1, BLOCK_T], 1.0, tl.float32)
             ds = alpha * (b - delta)
@@ -304,19 +307,23 @@ def _read_bwd_kernel(
                 ds = ds * _sigmoid(-(qv * rho))
             # value path α·g plus key path ds·ρ·q, summed over the readers: one write per source.
             dv = _sum(alpha[:, :, None] * g + (ds * rho)[:, :, None] * q, 0)
+            if DQ_SECOND_PASS or FOLD_RMS:
+                v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)
+            if KEY_NORM:
+                drho = _sum(ds * qv, 0)  # ∂s/∂ρ = q·v, summed over the readers
+                if FOLD_RMS:  # ∂ρ/∂v = −ρ³·v/d (one head: the row is the token's whole width)
+                    dv += (drho * rho_rows * rho_rows * rho_rows * (-1.0 / d))[:, None] * v
+                else:  # the rms backward (shared by all readers of the source) runs once, outside
+                    if ACCUMULATE:
+                        drho += tl.load(drms_i + rows, mask=row_ok, other=0.0)
+                    tl.store(drms_i + rows, drho, mask=row_ok)
+                    drms_i += n_rows
             if ACCUMULATE:
                 dv += tl.load(dsrc_i + tile, mask=tile_ok, other=0.0).to(tl.float32)
             tl.store(dsrc_i + tile, dv.to(dsrc_ptr.dtype.element_ty), mask=tile_ok)
             dsrc_i += reader_stride
             if DQ_SECOND_PASS:
-                dq += (ds * rho)[:, :, None] * _source(src_table, i, src0, tile, tile_ok, ALIGNED)[None, :, :]
-            if KEY_NORM:
-                # ∂s/∂ρ = q·v; the rms backward (shared by all readers of the source) runs once, outside.
-                drho = _sum(ds * qv, 0)
-                if ACCUMULATE:
-                    drho += tl.load(drms_i + rows, mask=row_ok, other=0.0)
-                tl.store(drms_i + rows, drho, mask=row_ok)
-                drms_i += n_rows
+                dq += (ds * rho)[:, :, None] * v[None, :, :]
 
         if PER_TOKEN:
             tl.store(dq_ptr + tile, _sum(dq, 0), mask=tile_ok)
@@ -399,9 +406,16 @@ BWD_PROGRAMS_PER_SM = 4
 # exchange through shared memory between barriers, and the program waits at each. Not yet timed.
 PAIRED_SUMS = False
 
+# Reads of one head with key norm take their sources' 1/rms as constants and add the key norm's
+# gradient to each source's gradient in their own backward (from the source read again in its
+# second pass), instead of returning ∂L/∂ρ for the rms backward kernel: no rms backward launch per
+# source and no second gradient per source for autograd to add (fla-core folds it likewise; our
+# 1/rms is still computed once per source). Not yet timed.
+FOLD_RMS_GRAD = False
+
 # The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
 KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS", "PREFETCH",
-         "BWD_PROGRAMS_PER_SM", "PAIRED_SUMS")
+         "BWD_PROGRAMS_PER_SM", "PAIRED_SUMS", "FOLD_RMS_GRAD")
 
 
 @contextlib.contextmanager
@@ -508,9 +522,11 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     return out, lse
 
 
-def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token):
+def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, grad_lse, heads, sigmoid, per_token,
+                  fold_rms=False):
     """Gradients of read_forward: (d_sources (n, N, d), d_inv_rms (n, N) or None, d_query like
-    query in fp32, d_init_out (R, N, d) fp32 or None, d_init_lse (R, N, H) or None)."""
+    query in fp32, d_init_out (R, N, d) fp32 or None, d_init_lse (R, N, H) or None). fold_rms (one
+    head; `inv_rms` the sources' own): the key norm's gradient goes into d_sources, d_inv_rms is None."""
     R, N, d = grad_out.shape
     H, W = heads, d // heads
     device = grad_out.device
@@ -518,8 +534,11 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     w_pad, n_rows = _pow2(W), N * H
     groups = _reader_groups(R)
     key_norm = bool(inv_rms)
+    fold_rms = fold_rms and key_norm
+    if fold_rms and H != 1:
+        raise ValueError(f"fold_rms with {H} heads: allowed with one head (a row of the kernel is one head, 1/rms the token's)")
     dsrc = torch.empty(n, N, d, device=device, dtype=sources[0].dtype if n else grad_out.dtype)
-    drms = torch.empty(n, n_rows, device=device, dtype=torch.float32) if key_norm else dsrc
+    drms = torch.empty(n, n_rows, device=device, dtype=torch.float32) if key_norm and not fold_rms else dsrc
     dq_rows = not per_token and H > 1
     if per_token:
         dq = torch.empty(N, d, device=device, dtype=torch.float32)
@@ -550,13 +569,13 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
             R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
             PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
             ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, DQ_SECOND_PASS=BWD_DQ_SECOND_PASS,
-            PREFETCH=PREFETCH, PAIRED_SUMS=PAIRED_SUMS, num_warps=warps,
+            PREFETCH=PREFETCH, PAIRED_SUMS=PAIRED_SUMS, FOLD_RMS=fold_rms, num_warps=warps,
         )
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
     elif not per_token:
         dq = torch.cat([part.sum(0)[: r1 - r0] for part, (r0, r1) in zip(dq_parts, groups)])
-    d_rms = drms.view(n, N, H).sum(-1) if key_norm else None  # the heads of a token share its rms
+    d_rms = drms.view(n, N, H).sum(-1) if key_norm and not fold_rms else None  # the heads of a token share its rms
     return dsrc, d_rms, dq, (do0 if has_init else None), (dlse0 if has_init else None)
 
 
