@@ -410,7 +410,9 @@ PAIRED_SUMS = False
 # gradient to each source's gradient in their own backward (from the source read again in its
 # second pass), instead of returning ∂L/∂ρ for the rms backward kernel: no rms backward launch per
 # source and no second gradient per source for autograd to add (fla-core folds it likewise; our
-# 1/rms is still computed once per source). Not yet timed.
+# 1/rms is still computed once per source). Under bf16 autocast the embedding's 1/rms comes from
+# its fp32 value and the folded term from its bf16 stored copy: a rounding of 2^-9 in that term of
+# its gradient only. Not yet timed.
 FOLD_RMS_GRAD = False
 
 # The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
