@@ -160,10 +160,11 @@ def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_pat
     info = tile_sweep.main(["--reader-groups", f"{default['READER_GROUP']},1",
                             "--fwd", f"{default['FWD_TILE_ELEMS']},8192", "--bwd", "", "--bwd-warps", "",
                             "--bwd-programs", "", "--json", str(tmp_path / "a.json")])
-    assert [r["moved"] for r in info["rows"]] == [{}, {"PREFETCH": not default["PREFETCH"]}, {"READER_GROUP": 1},
+    assert [r["moved"] for r in info["rows"]] == [{}, {"PAIRED_SUMS": not default["PAIRED_SUMS"]},
+                                                  {"FOLD_RMS_GRAD": not default["FOLD_RMS_GRAD"]},
+                                                  {"PREFETCH": not default["PREFETCH"]},
                                                   {"BWD_DQ_SECOND_PASS": not default["BWD_DQ_SECOND_PASS"]},
-                                                  {"PAIRED_SUMS": not default["PAIRED_SUMS"]},
-                                                  {"FOLD_RMS_GRAD": not default["FOLD_RMS_GRAD"]}, {"FWD_TILE_ELEMS": 8192}]
+                                                  {"READER_GROUP": 1}, {"FWD_TILE_ELEMS": 8192}]
     assert [r["read_fwd_ms"]["fused per read"] for r in info["rows"]][-1] == 8192.0  # timed under its knobs
     assert seen[-1] == {**default, "FWD_TILE_ELEMS": 8192} and {k: getattr(tk, k) for k in tk.KNOBS} == default
     info = tile_sweep.main(["--triton", "BWD_PROGRAMS_PER_SM=8", "--config", "PREFETCH=false,READER_GROUP=none",
