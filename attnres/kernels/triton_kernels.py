@@ -84,24 +84,27 @@ def _log_sigmoid(s):
 
 
 @triton.jit
-def _source(src_table, i, src0, tile, tile_ok, ALIGNED: tl.constexpr):
-    """Source i's [T, W] tile in fp32, through the table of data pointers (src0: one of the
-    sources, for their element type)."""
+def _source_raw(src_table, i, src0, tile, ok, ALIGNED: tl.constexpr):
+    """Source i's [T, W] tile in the sources' own dtype (zeros where not ok), through the table of
+    data pointers (src0: one of the sources, for their element type)."""
     src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
     if ALIGNED:  # a pointer from the table carries no alignment: without this, 2-byte loads
         src = tl.multiple_of(src, 16)
-    return tl.load(src + tile, mask=tile_ok, other=0.0).to(tl.float32)
+    return tl.load(src + tile, mask=ok, other=0.0)
+
+
+@triton.jit
+def _source(src_table, i, src0, tile, tile_ok, ALIGNED: tl.constexpr):
+    """Source i's [T, W] tile in fp32."""
+    return _source_raw(src_table, i, src0, tile, tile_ok, ALIGNED).to(tl.float32)
 
 
 @triton.jit
 def _source_ahead(src_table, i, n_src, src0, tile, tile_ok, ALIGNED: tl.constexpr):
-    """Source i's [T, W] tile in the sources' own dtype, zeros past the last source (PREFETCH: the
-    load is issued one iteration before its use, and converting it to fp32 here would wait for it)."""
-    # i = n_src reads the table's next entry (a 1/rms pointer or the closing 0); the load is masked off
-    src = tl.load(src_table + i).to(tl.pointer_type(src0.dtype.element_ty))
-    if ALIGNED:
-        src = tl.multiple_of(src, 16)
-    return tl.load(src + tile, mask=tile_ok & (tl.full([1, 1], i, tl.int32) < n_src), other=0.0)
+    """Source i's tile in the sources' own dtype, zeros past the last source (PREFETCH: the load is
+    issued one iteration before its use, and converting it to fp32 here would wait for it). At
+    i = n_src the table's next entry is read (a 1/rms pointer or the closing 0), the load masked off."""
+    return _source_raw(src_table, i, src0, tile, tile_ok & (tl.full([1, 1], i, tl.int32) < n_src), ALIGNED)
 
 
 @triton.jit
