@@ -151,8 +151,10 @@ ORDER_KNOBS = {"PREFETCH": 1e-6, "PAIRED_SUMS": 1e-5, "FOLD_RMS_GRAD": 1e-5}
 @needs_triton
 @pytest.mark.parametrize("knob", sorted(ORDER_KNOBS))
 @pytest.mark.parametrize("variant,num_layers,others", [
-    ("full", FULL_CHUNK, {}), ("block_multihead", 8, {}), ("full_sigmoid", 5, {}), ("full_input_query", 6, {}),
-    ("full", FULL_CHUNK, {"READER_GROUP": None, "BWD_DQ_SECOND_PASS": False})])
+    ("full", FULL_CHUNK, {}), ("full_input_query", 6, {}),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in (  # the default run's time: these in CI's slow run
+        ("block_multihead", 8, {}), ("full_sigmoid", 5, {}),
+        ("full", FULL_CHUNK, {"READER_GROUP": None, "BWD_DQ_SECOND_PASS": False})))])
 def test_triton_knobs_of_order_change_nothing(path, monkeypatch, knob, variant, num_layers, others):
     """PREFETCH: each loop over the sources loads source i + 1 before it uses source i (the last
     iteration's load masked off): only when the loads are issued changes (1e-6). PAIRED_SUMS: the
@@ -175,8 +177,9 @@ def test_triton_knobs_of_order_change_nothing(path, monkeypatch, knob, variant, 
 
 
 @needs_triton
-@pytest.mark.parametrize("variant,folds", [("full", True), ("full_input_query", True), ("block_multihead", False),
-                                           ("block_no_rmsnorm", False)])
+@pytest.mark.parametrize("variant,folds", [("full", True), ("block_multihead", False),
+                                           pytest.param("full_input_query", True, marks=pytest.mark.slow),
+                                           pytest.param("block_no_rmsnorm", False, marks=pytest.mark.slow)])
 def test_triton_folded_rms_gradient_leaves_out_the_rms_backward(path, monkeypatch, variant, folds):
     """FOLD_RMS_GRAD on: reads of one head with key norm fold the key norm's gradient into their
     own backward, so the 1/rms backward kernel never runs; four heads (a row is one head) and no
