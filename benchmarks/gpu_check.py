@@ -99,17 +99,12 @@ def main(argv=None) -> int:
         x = torch.randn(2, 3 if smoke else 50, 64, generator=g).to(dev).requires_grad_()
         outs = {}
         # The Triton knobs must not change the result either: the two-phase reads in launches of at
-        # most 2 readers; the backward's dq pass, the prefetch, the paired sums and the fold of the
-        # rms gradient each toggled.
+        # most 2 readers, and each switch of the kernels toggled.
         runs = {"torch per read": ("torch", "per_read", {}), "per read": ("triton", "per_read", {}),
                 "two-phase": ("triton", "two_phase", {}),
-                "two-phase, reader groups of 2": ("triton", "two_phase", {"READER_GROUP": 2}),
-                "two-phase, dq pass toggled": ("triton", "two_phase",
-                                               {"BWD_DQ_SECOND_PASS": not triton_kernels.BWD_DQ_SECOND_PASS}),
-                "two-phase, prefetch toggled": ("triton", "two_phase", {"PREFETCH": not triton_kernels.PREFETCH}),
-                "two-phase, paired sums toggled": ("triton", "two_phase", {"PAIRED_SUMS": not triton_kernels.PAIRED_SUMS}),
-                "two-phase, rms gradient fold toggled": ("triton", "two_phase",
-                                                         {"FOLD_RMS_GRAD": not triton_kernels.FOLD_RMS_GRAD})}
+                "two-phase, reader groups of 2": ("triton", "two_phase", {"READER_GROUP": 2})}
+        for knob in triton_kernels.SWITCHES:
+            runs[f"two-phase, {knob} toggled"] = ("triton", "two_phase", {knob: not getattr(triton_kernels, knob)})
         for name, (backend, schedule, knobs) in runs.items():
             kernels.set_backend(backend)
             kernels.set_schedule(schedule)
@@ -122,8 +117,7 @@ def main(argv=None) -> int:
         # fp32 rounding through L layers and a squared loss: 1e-4 of the scale (the CPU tests hold
         # the two schedules to 1e-5 at small sizes)
         ok &= close(f"{tag} two-phase vs per-read", outs["two-phase"], outs["per read"], 1e-4)
-        for name in ("two-phase, reader groups of 2", "two-phase, dq pass toggled", "two-phase, prefetch toggled",
-                     "two-phase, paired sums toggled", "two-phase, rms gradient fold toggled"):
+        for name in list(runs)[3:]:  # the knobs' runs
             ok &= close(f"{tag} {name} vs two-phase", outs[name], outs["two-phase"], 1e-5)
     # A bf16 autocast training step through the kernels vs the PyTorch path.
     cfg = ModelConfig(d_model=64 if smoke else 256, layers=2 if smoke else 4, n_heads=4, max_seq_len=256)

@@ -10,17 +10,17 @@ work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, forward + backward of eve
 First one profiled step of each implementation: the kernels' summed time against the step's wall
 time (a gap is host overhead: launches, pointer tables, autograd) and its costliest kernels. Then
 the knobs of attnres.kernels.triton_kernels, one moved from the defaults at a time, in this order
-(the ones no GPU has timed first: a stage stopped at its time limit has timed the first ones):
-PAIRED_SUMS toggled (the backward's two sums over the channels as one reduction), FOLD_RMS_GRAD
-toggled (the key norm's gradient added in each read's backward, no 1/rms backward), each
-BWD_PROGRAMS_PER_SM, PREFETCH toggled (each source's load issued one iteration ahead of its use),
-BWD_DQ_SECOND_PASS toggled (the backward's query gradient from a first or a second read), each
-READER_GROUP (readers a launch takes at most: the two-phase schedule's phase-1 reads have S and
-S + 1 readers here), BWD_WARPS, FWD_TILE_ELEMS and BWD_TILE_ELEMS (the elements of one [readers,
-rows, head width] fp32 tile a program holds). For each, the step's wall time and the read
-kernels' own time (profiled over 3 steps; at this work the step is host-bound, and its wall time
-moved by ±15% between runs, the kernels' time does not carry that noise). --config times knobs
-moved together instead. Prints a table and writes JSON.
+(a stage stopped at its time limit has timed the first ones): each switch toggled (triton_kernels.
+SWITCHES, the ones no GPU has timed first: PAIRED_SUMS, the backward's two sums over the channels as
+one reduction; FOLD_RMS_GRAD, the key norm's gradient added in each read's backward; PREFETCH, each
+source's load issued one iteration ahead of its use; BWD_DQ_SECOND_PASS, the backward's query
+gradient from a first or a second read), each BWD_PROGRAMS_PER_SM, each READER_GROUP (readers a
+launch takes at most: the two-phase schedule's phase-1 reads have S and S + 1 readers here),
+BWD_WARPS, FWD_TILE_ELEMS and BWD_TILE_ELEMS (the elements of one [readers, rows, head width] fp32
+tile a program holds). For each, the step's wall time and the read kernels' own time (profiled
+over 3 steps; at this work the step is host-bound, and its wall time moved by ±15% between runs,
+the kernels' time does not carry that noise). --config times knobs moved together instead. Prints
+a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -62,8 +62,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--reader-groups", default="1,2,none", help="readers per launch to try besides the default "
                     "(none: all of a read's readers in one launch)")
     ap.add_argument("--bwd-programs", default="8", help="backward programs per SM to try besides the default")
-    ap.add_argument("--no-dq-pass", action="store_true", help="do not try the backward's dq pass toggled")
-    ap.add_argument("--no-prefetch", action="store_true", help="do not try the prefetch of the next source toggled")
     ap.add_argument("--triton", action="append", default=[], metavar="NAME=VALUE",
                     help="a knob's value for every configuration, the defaults' row included (model_bench's option)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=VALUE,...",
@@ -103,13 +101,9 @@ def main(argv=None) -> dict:
                 profiles={}, rows=[])
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # The untimed knobs first: a stage stopped at its time limit has timed them.
-    tried = {"PAIRED_SUMS": [not default["PAIRED_SUMS"]], "FOLD_RMS_GRAD": [not default["FOLD_RMS_GRAD"]],
-             "BWD_PROGRAMS_PER_SM": programs,
-             "PREFETCH": [] if args.no_prefetch else [not default["PREFETCH"]],
-             "BWD_DQ_SECOND_PASS": [] if args.no_dq_pass else [not default["BWD_DQ_SECOND_PASS"]],
-             "READER_GROUP": groups, "BWD_WARPS": bwd_warps, "FWD_TILE_ELEMS": fwd_budgets,
-             "BWD_TILE_ELEMS": bwd_budgets}
+    # The switches first (the untimed ones lead): a stage stopped at its time limit has timed them.
+    tried = {**{k: [not default[k]] for k in tk.SWITCHES}, "BWD_PROGRAMS_PER_SM": programs, "READER_GROUP": groups,
+             "BWD_WARPS": bwd_warps, "FWD_TILE_ELEMS": fwd_budgets, "BWD_TILE_ELEMS": bwd_budgets}
     configs = [default] + ([{**default, **c} for c in together] if together else
                            [{**default, k: v} for k, values in tried.items() for v in values if v != default[k]])
     sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a time limit stops it as Ctrl-C

@@ -147,7 +147,7 @@ def _backward(ctx, grad_out, grad_lse, eager: bool = False):
     args = (sources, inv_rms, query, init_out, init_lse, lse, grad_out.contiguous(),
             None if grad_lse is None else grad_lse.contiguous(), ctx.heads, ctx.sigmoid, ctx.per_token, ctx.fold_rms)
     if eager:
-        dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args[:-1], fold_rms=ctx.fold_rms)
+        dsrc, drms, dq, do0, dlse0 = _kernels(query).read_backward(*args)
     else:
         dsrc, drms, dq, do0, dlse0 = depth_read_backward_op(*args)
     d_sources = list(dsrc.unbind(0)) if n else []  # (the operator stacks the C kernels' list)
