@@ -13,9 +13,9 @@ Design decisions:
   checkpoint, so every step up to the checkpoint is in MLflow; steps after it that reached MLflow
   before the crash are recomputed identically (deterministic data and RNG) and skipped, the rest
   are logged: no duplicate, no gap.
-- A SQLite store is created under an inter-process file lock (several processes migrating a fresh
-  database at once corrupt it, ECOSYSTEM.md). The lock file is the one the Optuna sweeper uses
-  (temp folder, named after the database path), so the two never race each other either.
+- A SQLite store is created under an inter-process lock (several processes migrating a fresh
+  database at once corrupt it, ECOSYSTEM.md): flock on the database's folder, the lock the Optuna
+  sweeper takes for its own database and MLflow client, so the two never race each other either.
 - Experiments created here on a SQLite store keep their artifacts beside the database
   (<db folder>/mlruns/<experiment>), not in whatever folder a job was started from.
 - `NullTracker` stands in when tracking is off or on ranks other than 0: the loop never branches.
@@ -29,14 +29,12 @@ Design decisions:
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -203,27 +201,31 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive inter-process lock: flock on the folder itself, so no lock file is created or
+    left behind. Enough on one machine, the only place a SQLite file can be shared anyway."""
     try:
         import fcntl
     except ImportError:  # Windows: no fcntl; create the store with one process first there
         yield
         return
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the descriptor closes
+        yield
+    finally:
+        os.close(handle)
 
 
 def store_lock(uri: str):
-    """The inter-process lock for creating the SQLite store at `uri` (no-op for servers)."""
+    """The inter-process lock for creating the SQLite store at `uri` (no-op for servers): the
+    database's folder, locked as the Optuna sweeper locks it for its own database and its MLflow
+    client (hydra_plugins/attnres_optuna_sweeper/_storage.py), so no two of them ever migrate a
+    fresh store at once. (It was a file per store in the temporary folder, never removed: a test
+    run left a hundred, and the sweeper's client did not take it.)"""
     path = sqlite_path(uri)
-    if path is None:
-        return nullcontext()
-    key = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
-    return _file_lock(Path(tempfile.gettempdir()) / f"attnres-sqlite-{key}.lock")
+    return nullcontext() if path is None else folder_lock(path.resolve().parent)
 
 
 def prepare_server(uri: str, option: str = "tracking.uri=") -> None:

@@ -299,6 +299,43 @@ def test_parent_run_id_makes_the_run_a_child_of_that_parent(tmp_path):
     assert child.data.metrics["final/val_loss"] == value and math.isfinite(value)
 
 
+def test_sqlite_stores_are_created_under_the_lock_of_their_folder(tmp_path, monkeypatch):
+    """Creating a SQLite store is serialised by flock on the database's folder: no lock file is
+    left anywhere (it was one per store in the temporary folder, never removed), the same store
+    named another way (a relative path through a symbolic link) takes the same lock, and so does
+    the Optuna sweeper for its own database beside it."""
+    import fcntl
+    import tempfile
+
+    from harness.tracking import client_for, store_lock
+    from hydra_plugins.attnres_optuna_sweeper._storage import sqlite_init_lock
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    client_for(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
+    assert [p.name for p in (tmp_path / "store").iterdir()] == ["mlflow.db"]
+    assert list(temp.iterdir()) == []
+
+    def held() -> bool:
+        handle = os.open(tmp_path / "store", os.O_RDONLY)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(handle)
+
+    (tmp_path / "link").symlink_to(tmp_path / "store")
+    monkeypatch.chdir(tmp_path)
+    for lock in (store_lock("sqlite:///link/mlflow.db"), sqlite_init_lock(f"sqlite:///{tmp_path / 'store' / 'optuna.db'}")):
+        with lock:
+            assert held()
+        assert not held()  # released on leaving
+    assert not held() and list(temp.iterdir()) == []
+
+
 def test_a_model_training_tag_set_by_another_process_in_between_is_not_an_error(tmp_path, monkeypatch):
     """Two sweep workers starting together both found the tag missing; the second insert failed on
     the tag's unique key (an MLflow server over PostgreSQL, under load). Here the other process's

@@ -7,9 +7,10 @@ Design decisions:
   that changes directory (``hydra.job.chdir``) cannot open a second, empty database.
 * **First use of a SQLite file is serialised with a lock.** Two workers that start at once on a
   fresh file would otherwise both create the schema and one of them fails (the same trap as
-  MLflow's SQLite store, see ECOSYSTEM.md; the sweeper's MLflow client takes the same lock). The
-  lock is ``flock`` on the database's folder: enough on one machine, which is the only place a
-  SQLite file can be shared anyway, and it leaves no lock file behind.
+  MLflow's SQLite store, see ECOSYSTEM.md; the sweeper's MLflow client and every job's take the
+  same lock). The lock is ``flock`` on the database's folder (``harness.tracking.folder_lock``):
+  enough on one machine, which is the only place a SQLite file can be shared anyway, and it leaves
+  no lock file behind.
 * **On a database server, first use is retried instead.** Two workers that start at once on a
   fresh PostgreSQL database both create Optuna's tables and stamp its schema version; the loser
   gets a unique-key violation (seen in tests/test_reliability_postgres.py). The server's own
@@ -46,7 +47,7 @@ from sqlalchemy.exc import (
     ProgrammingError,
 )
 
-from harness.tracking import redact  # the password out of messages and logs
+from harness.tracking import folder_lock, redact  # the lock MLflow stores take; the password out of messages
 
 from ._ledger import FAILURE_ATTR, VOID_ATTR
 from .config import SweeperConfigError
@@ -97,23 +98,7 @@ def sqlite_init_lock(url: str) -> ContextManager[object]:
         return nullcontext()
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return nullcontext()
-    return _folder_lock(Path(parsed.database).expanduser().resolve().parent)
-
-
-@contextmanager
-def _folder_lock(folder: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # Windows: no fcntl; start one worker first there
-        yield
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the descriptor closes
-        yield
-    finally:
-        os.close(handle)
+    return folder_lock(Path(parsed.database).expanduser().resolve().parent)
 
 
 def open_storage(
