@@ -30,8 +30,10 @@ TOLERANCE = 1e-5  # absolute, fp32
 
 
 def _torchrun(args: list[str], tmp: Path, nproc: int = 2, env: dict | None = None, **popen) -> subprocess.Popen:
-    """torchrun in `tmp` (Hydra's outputs/ land there: no hydra.run.dir, the ranks agree on it)."""
-    env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1", **(env or {}))
+    """torchrun in `tmp` (Hydra's outputs/ land there: no hydra.run.dir, the ranks agree on it), its
+    temporary folder there too: torchelastic leaves a log folder behind in it every run."""
+    (tmp / "tmp").mkdir(exist_ok=True)
+    env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1", TMPDIR=str(tmp / "tmp"), **(env or {}))
     env.pop("MLFLOW_TRACKING_URI", None)
     command = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "run.py"), *args,
                f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}", f"train.checkpoint_dir={tmp / 'ckpt'}"]
