@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import distributed, instrument, malloc, provenance, pruning
+from harness import distributed, instrument, malloc, memory_budget, provenance, pruning
 from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
@@ -121,6 +121,7 @@ def _run(cfg: DictConfig) -> float:
         if spec.cfg.train.keep_freed_memory and not malloc.keep_freed_memory():
             log.info("train.keep_freed_memory: not glibc, the allocator keeps its own settings")
         data = load_data(spec.cfg.data, spec.cfg.train.seq_len)
+        memory_budget.check_fits(spec)  # on a CPU the OOM killer would end the run without a line
         if spec.cfg.tracking.enabled and rank() == 0:
             check_tracking_uri(spec.cfg.tracking.uri)  # a dead server: seconds, not minutes of retries
     except (ConfigError, DataError, TrackingUnreachable) as error:

@@ -84,6 +84,10 @@ CASES = {
     "an undefined interpolation, in a multirun": (["-m", "residual=baseline,block", "optim.lr=${oops}"],
                                                   "Interpolation key 'oops' not found full_key: optim.lr"),
     "a SQLite URI naming a folder": (["tracking.uri=sqlite:///{tmp}"], "is not a SQLite database (a folder)"),
+    # On a CPU the OOM killer would end it without a line (harness/memory_budget.py); ~8 TB asked for.
+    "a micro-batch no memory holds": (["train.batch_size=16777216"],
+                                      "train.batch_size=16777216, train.seq_len=32: one micro-batch of 16777216 × 32 "
+                                      "tokens needs about"),
     "a rope_theta that gives NaN": (["model.rope_theta=0"], "model.rope_theta=0.0 must be positive"),
     "a negative init_std": (["-m", "residual=baseline,block", "model.init_std=-1"],
                             "model.init_std=-1.0 must be a finite number >= 0"),

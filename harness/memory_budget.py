@@ -1,0 +1,119 @@
+"""Whether one training step can fit in this machine's memory: a check before a CPU run starts.
+
+Why: on a GPU an allocation that does not fit raises torch.OutOfMemoryError, which the run ends on
+and reports. On a CPU the kernel's OOM killer ends the process with SIGKILL instead: no line, the
+MLflow run left RUNNING, and the same command killed again at the same step (measured: the default
+model at `train.seq_len=100000` on this 24 GB machine). A run that cannot fit is bad input, and
+gets one line before anything is created, with the micro-batch that would fit.
+
+How: measured, not modelled, so that it holds for every residual variant and read path. The run's
+own model (its config, its residual, the kernels it will use) computes one forward and loss on a
+probe sequence of min(seq_len, PROBE_TOKENS) tokens under saved-tensor hooks; the bytes autograd
+keeps for the backward (the distinct views saved of each storage, parameters and buffers left out) per probe token, times the
+micro-batch's tokens (linear in tokens: attention on a CPU is SDPA's flash kernel), plus 12 bytes
+per parameter (weights, gradients and one optimizer moment in fp32; AdamW keeps two), is what the
+step needs at its peak. Measured against the allocator's peak of real steps above the model and
+optimizer state (benchmarks/RESULTS_HARNESS.md): 0.92–0.99 of it at `model.layers=16` (16 × 128,
+4 × 1024, 2 × 2048, 1 × 4096 tokens; baseline, block, full, hc, mhc, denseformer), 0.87–0.94 for
+the default 4 layers at 4 × 256, 0.66–0.78 for the tiny model, whose backward's temporaries weigh
+more; never above it. A run is refused only when MARGIN (90%) of the estimate still exceeds what is
+available, so that no run which fits is refused; one close to the limit may still be killed.
+
+Available: MemAvailable + SwapFree (/proc/meminfo), capped by the cgroup's memory.max − memory.current
+where a container sets a limit. Only for a single CPU process in eager mode (compiled graphs may
+keep fewer tensors; under torchrun the ranks share the machine) and on Linux.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from attnres import DecoderLM
+from harness.config import ConfigError, RunSpec
+
+PROBE_TOKENS = 128
+BYTES_PER_PARAMETER = 12  # fp32 weights, gradients and one optimizer moment (a lower bound)
+MARGIN = 0.9  # refused when MARGIN × the estimate exceeds what is available
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+GIB = 1 << 30
+
+
+def available_bytes() -> int | None:
+    """Memory this process could still take (see the module docstring); None where unknown."""
+    try:
+        fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
+        available = sum(int(fields[key].split()[0]) * 1024 for key in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((CGROUP / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit visible: the machine's figure stands
+    return available
+
+
+def saved_bytes_per_token(spec: RunSpec) -> float:
+    """Bytes autograd keeps for the backward per token of a forward of the run's model (the
+    module docstring says how it is measured). The RNG states are left as they were."""
+    cfg = spec.cfg
+    tokens = min(cfg.train.seq_len, PROBE_TOKENS)
+    with torch.random.fork_rng(devices=[]):
+        model = DecoderLM(cfg.model, cfg.residual)
+        own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        views: dict[int, set] = {}  # storage -> the distinct views of it that were saved
+        sizes: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in own:
+                views.setdefault(storage.data_ptr(), set()).add(
+                    (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.numel() * t.element_size()))
+                sizes[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        idx = torch.zeros(1, tokens, dtype=torch.long)
+        autocast = (torch.autocast("cpu", dtype=spec.autocast_dtype) if spec.autocast_dtype is not None
+                    else torch.autocast("cpu", enabled=False))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            model(idx, idx)
+    # Per storage, its saved views (capped by its size): a slice of a table cached for the longest
+    # sequence (RoPE's) counts as the slice, q, k and v cut from one projection count whole.
+    total = sum(min(sizes[ptr], sum(v[-1] for v in saved)) for ptr, saved in views.items())
+    return total / tokens
+
+
+def check_fits(spec: RunSpec) -> None:
+    """Raise ConfigError (one line) if one micro-batch of the run cannot fit in the memory left."""
+    if spec.device.type != "cpu" or spec.compile or spec.parallel is not None:
+        return
+    available = available_bytes()
+    if available is None:
+        return
+    t = spec.cfg.train
+    per_token = saved_bytes_per_token(spec)
+    fixed = BYTES_PER_PARAMETER * spec.counts["count.params_total"]
+
+    def need(micro: int) -> float:
+        return per_token * micro * t.seq_len + fixed
+
+    if MARGIN * need(spec.micro_batch_size) <= available:
+        return
+    room = MARGIN * available  # what a suggestion may take: the estimate can be below the peak
+    fits = [m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0 and need(m) <= room]
+    if fits:
+        allowed = (f"train.micro_batch_size={max(fits)} (the batch stays {t.batch_size} sequences: "
+                   "gradients accumulate), or a shorter train.seq_len")
+    else:
+        longest = int((room - fixed) / per_token) if room > fixed else 0
+        allowed = (f"a shorter train.seq_len (one sequence of at most ~{longest:,} tokens fits) or a smaller model"
+                   if longest else "a smaller model")
+    raise ConfigError(
+        f"train.batch_size={t.batch_size}, train.seq_len={t.seq_len}: one micro-batch of {spec.micro_batch_size} × "
+        f"{t.seq_len} tokens needs about {need(spec.micro_batch_size) / GIB:.1f} GiB "
+        f"({per_token / 1024:.1f} KiB per token kept for the backward, measured on a probe; parameters, gradients "
+        f"and optimizer state {fixed / GIB:.2f} GiB), more than the {available / GIB:.1f} GiB this machine has available; "
+        f"allowed: {allowed}")
