@@ -272,6 +272,15 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
             print(f"{label}: diverged: {error}; {where}its last good checkpoint kept (train.retry_failed=true "
                   "resumes from it)", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+        if memory_budget.out_of_memory(error) and not multirun and not _in_trial():
+            # The machine's memory, not a fault of the code: one line with a micro-batch to try.
+            # (The pre-flight check, harness/memory_budget.py, refuses what cannot fit on a CPU.)
+            where = f"MLflow run {tracker.run_id} FAILED; " if tracker.enabled else ""
+            at = f" at step {trainer.step + 1}" if trainer is not None else " building the model"
+            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+            print(f"{label}: out of memory{at} ({first}); {where}allowed: {memory_budget.after_out_of_memory(spec)}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         if isinstance(error, OSError) and error.errno in DISK_ERRNOS and not multirun and not _in_trial():
             # The file system refused a write the run cannot go on without (its record): the
             # machine's state, not a fault of the code; one line. (A checkpoint write that fails

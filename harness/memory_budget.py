@@ -1,4 +1,4 @@
-"""Whether one training step can fit in this machine's memory: a check before a CPU run starts.
+"""Whether a training step fits in memory: a check before a CPU run starts, and the line of a run that did not fit.
 
 Why: on a GPU an allocation that does not fit raises torch.OutOfMemoryError, which the run ends on
 and reports. On a CPU the kernel's OOM killer ends the process with SIGKILL instead: no line, the
@@ -18,6 +18,10 @@ optimizer state (benchmarks/RESULTS_HARNESS.md): 0.92–0.99 of it at `model.lay
 the default 4 layers at 4 × 256, 0.66–0.78 for the tiny model, whose backward's temporaries weigh
 more; never above it. A run is refused only when MARGIN (90%) of the estimate still exceeds what is
 available, so that no run which fits is refused; one close to the limit may still be killed.
+
+A run that runs out of memory anyway (CUDA; a CPU process under a memory limit, `ulimit -v`)
+ends FAILED as before, and the command says so in one line with half its micro-batch to try
+(`out_of_memory`, `after_out_of_memory`; harness/job.py prints it) instead of a traceback.
 
 Available: MemAvailable + SwapFree (/proc/meminfo), capped by the cgroup's memory.max − memory.current
 where a container sets a limit. Only for a single CPU process in eager mode (compiled graphs may
@@ -62,7 +66,7 @@ def saved_bytes_per_token(spec: RunSpec) -> float:
     cfg = spec.cfg
     tokens = min(cfg.train.seq_len, PROBE_TOKENS)
     with torch.random.fork_rng(devices=[]):
-        model = DecoderLM(cfg.model, cfg.residual)
+        model = DecoderLM(cfg.model, cfg.residual).eval()  # no module changes with it; a probe, not a training step
         own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
         views: dict[int, set] = {}  # storage -> the distinct views of it that were saved
         sizes: dict[int, int] = {}
@@ -105,8 +109,7 @@ def check_fits(spec: RunSpec) -> None:
     room = MARGIN * available  # what a suggestion may take: the estimate can be below the peak
     fits = [m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0 and need(m) <= room]
     if fits:
-        allowed = (f"train.micro_batch_size={max(fits)} (the batch stays {t.batch_size} sequences: "
-                   "gradients accumulate), or a shorter train.seq_len")
+        allowed = _micro_batch(max(fits), t.batch_size)
     else:
         longest = int((room - fixed) / per_token) if room > fixed else 0
         allowed = (f"a shorter train.seq_len (one sequence of at most ~{longest:,} tokens fits) or a smaller model"
@@ -117,3 +120,23 @@ def check_fits(spec: RunSpec) -> None:
         f"({per_token / 1024:.1f} KiB per token kept for the backward, measured on a probe; parameters, gradients "
         f"and optimizer state {fixed / GIB:.2f} GiB), more than the {available / GIB:.1f} GiB this machine has available; "
         f"allowed: {allowed}")
+
+
+def _micro_batch(micro: int, batch: int) -> str:
+    return (f"train.micro_batch_size={micro} (the batch stays {batch} sequences: gradients accumulate), "
+            "or a shorter train.seq_len")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that did not fit: CUDA's OutOfMemoryError, or the CPU
+    allocator's failure (a process memory limit, `ulimit -v`; without one the OOM killer acts)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
+
+
+def after_out_of_memory(spec: RunSpec) -> str:
+    """What a run that ran out of memory may try: half its micro-batch (the largest divisor of the
+    batch at most that), a new run since the micro-batch is part of a run's identity."""
+    t, micro = spec.cfg.train, spec.data_micro_batch_size
+    smaller = [m for m in range(1, micro // 2 + 1) if t.batch_size % m == 0]
+    return _micro_batch(max(smaller), t.batch_size) if smaller else "a shorter train.seq_len or a smaller model"

@@ -1,5 +1,7 @@
-"""The memory check before a CPU run (harness/memory_budget.py): its estimate against the
-allocator's measured peak, the refusal line and its suggestion, what it reads of the machine."""
+"""Memory (harness/memory_budget.py): the check before a CPU run (its estimate against the
+allocator's measured peak, the refusal line and its suggestion, what it reads of the machine), and
+the one line of a run that runs out of memory mid-run (CUDA's error; the CPU allocator's, for
+real, under a process memory limit)."""
 import math
 
 import pytest
@@ -105,3 +107,67 @@ def test_available_memory_is_the_machines_capped_by_its_cgroup(tmp_path, monkeyp
     assert memory_budget.available_bytes() == (8 << 30) - 5000
     meminfo.write_text("MemTotal: 1 kB\n")  # no MemAvailable (kernels before 3.14): unknown, no check
     assert memory_budget.available_bytes() is None
+
+
+@pytest.mark.parametrize("raised", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.11 GiB total capacity)"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)"),
+])
+def test_running_out_of_memory_mid_run_is_one_line_with_a_smaller_micro_batch(raised, tmp_path, monkeypatch, capsys,
+                                                                              restore_process_state):
+    """An allocation that fails in a step (CUDA's OutOfMemoryError; the CPU allocator's under a
+    process memory limit) ends the run FAILED with the error, and the command says so in one line
+    naming half the micro-batch (a new run: the micro-batch is part of a run's identity)."""
+    from harness.train import Trainer
+
+    calls = []
+
+    def fit(self):
+        calls.append(1)
+        self.step = 2
+        raise raised
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    with pytest.raises(SystemExit) as exit_:
+        job.run(compose([*TINY, "train.batch_size=8", *isolated(tmp_path)]))
+    assert exit_.value.code == 1 and calls == [1]
+    err = capsys.readouterr().err  # (with MLflow's own INFO lines on creating the store)
+    (line,) = [l for l in err.splitlines() if "out of memory" in l]
+    assert "Traceback" not in err and " out of memory at step 3 (" in line and str(raised).splitlines()[0][:60] in line
+    assert "FAILED; allowed: train.micro_batch_size=4 (the batch stays 8 sequences" in line
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and type(raised).__name__ in run.data.tags["attnres.failure"]
+
+
+def test_other_runtime_errors_are_not_taken_for_memory():
+    assert not memory_budget.out_of_memory(RuntimeError("shape mismatch"))
+    assert not memory_budget.out_of_memory(MemoryError())  # Python's own: not an allocation of a tensor
+
+
+@pytest.mark.slow  # ~15-30 s: a process that fills 4 GB of address space
+def test_a_real_allocation_failure_under_a_process_memory_limit_is_one_line(tmp_path):
+    """End to end: `run.py` under a 4 GB address-space limit (`ulimit -v`), a micro-batch of
+    16384 × 32 tokens (~3 GB kept for the backward: the memory check passes, the machine has it,
+    the process may not take it). The CPU allocator fails in the first step: exit 1, one line with
+    half the micro-batch, the MLflow run FAILED."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from harness_testing import ROOT
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
+
+    args = [*TINY, "train.steps=2", "train.batch_size=16384", *isolated(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    result = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=180, preexec_fn=limit)
+    assert result.returncode == 1, result.stderr[-3000:]
+    (line,) = [l for l in result.stderr.splitlines() if "out of memory" in l]
+    assert "DefaultCPUAllocator: can't allocate memory" in line and "Traceback" not in result.stderr
+    assert "allowed: train.micro_batch_size=8192 (the batch stays 16384 sequences" in line
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED"
