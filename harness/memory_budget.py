@@ -1,4 +1,5 @@
-"""Whether a training step fits in memory: a check before a CPU run starts, and the line of a run that did not fit.
+"""Whether a training step fits in memory: a check before a CPU run starts, and the line of a run
+that did not fit.
 
 Why: on a GPU an allocation that does not fit raises torch.OutOfMemoryError, which the run ends on
 and reports. On a CPU the kernel's OOM killer ends the process with SIGKILL instead: no line, the
@@ -9,15 +10,16 @@ gets one line before anything is created, with the micro-batch that would fit.
 How: measured, not modelled, so that it holds for every residual variant and read path. The run's
 own model (its config, its residual, the kernels it will use) computes one forward and loss on a
 probe sequence of min(seq_len, PROBE_TOKENS) tokens under saved-tensor hooks; the bytes autograd
-keeps for the backward (the distinct views saved of each storage, parameters and buffers left out) per probe token, times the
-micro-batch's tokens (linear in tokens: attention on a CPU is SDPA's flash kernel), plus 12 bytes
-per parameter (weights, gradients and one optimizer moment in fp32; AdamW keeps two), is what the
-step needs at its peak. Measured against the allocator's peak of real steps above the model and
-optimizer state (benchmarks/RESULTS_HARNESS.md): 0.92–0.99 of it at `model.layers=16` (16 × 128,
-4 × 1024, 2 × 2048, 1 × 4096 tokens; baseline, block, full, hc, mhc, denseformer), 0.87–0.94 for
-the default 4 layers at 4 × 256, 0.66–0.78 for the tiny model, whose backward's temporaries weigh
-more; never above it. A run is refused only when MARGIN (90%) of the estimate still exceeds what is
-available, so that no run which fits is refused; one close to the limit may still be killed.
+keeps for the backward (the distinct views saved of each storage; parameters and buffers left out)
+per probe token, times the micro-batch's tokens (linear in tokens: attention on a CPU is SDPA's
+flash kernel), plus 12 bytes per parameter (weights, gradients and one optimizer moment in fp32;
+AdamW keeps two), is what the step needs at its peak. Measured against the allocator's peak of real
+steps above the model and optimizer state (benchmarks/RESULTS_HARNESS.md): 0.92–0.99 of it at
+`model.layers=16` (16 × 128, 4 × 1024, 2 × 2048, 1 × 4096 tokens; baseline, block, full, hc, mhc,
+denseformer), 0.87–0.94 for the default 4 layers at 4 × 256, 0.66–0.78 for the tiny model, whose
+backward's temporaries weigh more; never above it. A run is refused only when MARGIN (90%) of the
+estimate still exceeds what is available, so that no run which fits is refused; one close to the
+limit may still be killed.
 
 A run that runs out of memory anyway (CUDA; a CPU process under a memory limit, `ulimit -v`)
 ends FAILED as before, and the command says so in one line with half its micro-batch to try
@@ -118,7 +120,8 @@ def check_fits(spec: RunSpec) -> None:
         f"train.batch_size={t.batch_size}, train.seq_len={t.seq_len}: one micro-batch of {spec.micro_batch_size} × "
         f"{t.seq_len} tokens needs about {need(spec.micro_batch_size) / GIB:.1f} GiB "
         f"({per_token / 1024:.1f} KiB per token kept for the backward, measured on a probe; parameters, gradients "
-        f"and optimizer state {fixed / GIB:.2f} GiB), more than the {available / GIB:.1f} GiB this machine has available; "
+        f"and optimizer state {fixed / GIB:.2f} GiB), more than the {available / GIB:.1f} GiB this machine has "
+        f"available; "
         f"allowed: {allowed}")
 
 

@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 
+from attnres import DecoderLM
 from benchmarks.model_bench import cpu_peak_bytes
 from harness import job, memory_budget
 from harness.config import validate
 from harness_testing import TINY, compose, isolated, restore_process_state, runs  # noqa: F401  (a fixture)
-
-from attnres import DecoderLM
 
 
 @pytest.mark.parametrize("variant", ["baseline", "block", "full", "mhc"])
