@@ -84,7 +84,7 @@ CASES = {
     "an undefined interpolation, in a multirun": (["-m", "residual=baseline,block", "optim.lr=${oops}"],
                                                   "Interpolation key 'oops' not found full_key: optim.lr"),
     "a SQLite URI naming a folder": (["tracking.uri=sqlite:///{tmp}"], "is not a SQLite database (a folder)"),
-    # On a CPU the OOM killer would end it without a line (harness/memory_budget.py); ~8 TB asked for.
+    # On a CPU the OOM killer would end it without a line (harness/memory_budget.py); ~3 TB asked for.
     "a micro-batch no memory holds": (["train.batch_size=16777216"],
                                       "train.batch_size=16777216, train.seq_len=32: one micro-batch of 16777216 × 32 "
                                       "tokens needs about"),
