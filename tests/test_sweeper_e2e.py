@@ -20,6 +20,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from hydra_plugins.attnres_optuna_sweeper._storage import sqlite_init_lock
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "tests" / "sweeper_apps" / "fake_train.py"
 LR = "optim.lr=tag(log,interval(1e-4,1e-1))"
@@ -85,7 +87,12 @@ def sweep(tmp_path, name, *overrides, mlflow_uri=None, check=True, **env):
 
 
 def study(tmp_path, name):
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    """The study as the sweeper stores it. Opening the storage creates its tables when they are
+    missing, so a poll while a worker creates them takes the lock the workers take (without it:
+    "table trial_heartbeats already exists", met in CI)."""
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    with sqlite_init_lock(url):
+        return optuna.load_study(study_name=name, storage=url)
 
 
 def states(trials):
