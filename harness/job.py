@@ -277,7 +277,7 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
             # (The pre-flight check, harness/memory_budget.py, refuses what cannot fit on a CPU.)
             where = f"MLflow run {tracker.run_id} FAILED; " if tracker.enabled else ""
             at = f" at step {trainer.step + 1}" if trainer is not None else " building the model"
-            first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
             print(f"{label}: out of memory{at} ({first}); {where}allowed: {memory_budget.after_out_of_memory(spec)}",
                   file=sys.stderr, flush=True)
             raise SystemExit(1) from None

@@ -109,7 +109,7 @@ def check_fits(spec: RunSpec) -> None:
     if MARGIN * need(spec.micro_batch_size) <= available:
         return
     room = MARGIN * available  # what a suggestion may take: the estimate can be below the peak
-    fits = [m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0 and need(m) <= room]
+    fits = [m for m in _divisors(t.batch_size) if need(m) <= room]
     if fits:
         allowed = _micro_batch(max(fits), t.batch_size)
     else:
@@ -123,6 +123,11 @@ def check_fits(spec: RunSpec) -> None:
         f"and optimizer state {fixed / GIB:.2f} GiB), more than the {available / GIB:.1f} GiB this machine has "
         f"available; "
         f"allowed: {allowed}")
+
+
+def _divisors(batch: int) -> list[int]:
+    """The micro-batch sizes a batch allows (harness.config refuses any other)."""
+    return [m for m in range(1, batch + 1) if batch % m == 0]
 
 
 def _micro_batch(micro: int, batch: int) -> str:
@@ -141,5 +146,5 @@ def after_out_of_memory(spec: RunSpec) -> str:
     """What a run that ran out of memory may try: half its micro-batch (the largest divisor of the
     batch at most that), a new run since the micro-batch is part of a run's identity."""
     t, micro = spec.cfg.train, spec.data_micro_batch_size
-    smaller = [m for m in range(1, micro // 2 + 1) if t.batch_size % m == 0]
+    smaller = [m for m in _divisors(t.batch_size) if m <= micro // 2]
     return _micro_batch(max(smaller), t.batch_size) if smaller else "a shorter train.seq_len or a smaller model"
