@@ -109,19 +109,21 @@ except RuntimeError as e:
     assert "no-such-cc" in out.stdout  # the reason names the compiler that was tried
 
 
-@pytest.mark.parametrize("heads", [1, 5])
+@pytest.mark.parametrize("d,heads", [(80, 1), (80, 5), (128, 1), (128, 2)])
 @pytest.mark.parametrize("per_token", [False, True])
-def test_register_blocks_with_a_channel_tail_and_a_token_remainder(heads, per_token):
-    """d 80 = a 64-channel register block and a 16-channel tail; 210 tokens = three 64-token tiles
-    and a remainder; six sources (a block of 4 rows and a tail of 2 in the gradients' mixing).
-    Output and gradients of every input against the float64 reference, fp32 kernels, to 1e-4
-    relative to each tensor's largest entry (queries scaled by 1/√d, as a trained model's logits)."""
+def test_register_blocks_with_a_channel_tail_and_a_token_remainder(d, heads, per_token):
+    """d 80 = a 64-channel register block and a 16-channel tail (heads of 80 and 16 channels: a
+    weight per 16-channel chunk); d 128 = two blocks, heads of 128 and 64 channels (one weight per
+    block row, mix_block's wide path); 210 tokens = three 64-token tiles and a remainder; six
+    sources (a block of 4 rows and a tail of 2 in the gradients' mixing). Output and gradients of
+    every input against the float64 reference, fp32 kernels, to 1e-4 relative to each tensor's
+    largest entry (queries scaled by 1/√d, as a trained model's logits)."""
     from attnres import depth_read
 
     kernels.set_backend("cpu")
     try:
         g = torch.Generator().manual_seed(heads)
-        d, shape = 80, (3, 70, 80)
+        shape = (3, 70, d)
         srcs = [(torch.randn(*shape, generator=g) * (0.5 + 0.3 * i)).requires_grad_() for i in range(6)]
         q = ((torch.randn(*shape, generator=g) if per_token else torch.randn(d, generator=g)) / d**0.5).requires_grad_()
         gain = (1 + 0.3 * torch.randn(d, generator=g)).requires_grad_()

@@ -153,10 +153,12 @@ static inline void head_dots(const float *a, const float *b, int d, int W, float
 #if defined(__AVX512F__)
 /* rows[r][c0:c0+64] = base_r + Σ_i coef(i, r, head) · x_i[c0:...] for r < nr: x: n rows (pointers,
  * already offset), coef(i, r, h) = w[i·wstride + r·rstride + h]; base: a[r·H + h]·b_r (b may be
- * NULL: zero). Channels c0 .. c0 + 16·nc. */
+ * NULL: zero). Channels c0 .. c0 + 16·nc. wide: a head spans the 64 channels (W a multiple of 64),
+ * so each row has one weight per source, broadcast once for its 4 chunks; the general form kept
+ * 16 weight addresses live and spilled them (phase-1 backwards at d 64: 11–15% slower). */
 static inline __attribute__((always_inline)) void mix_block(
     float *const *rows, int nr, const float *const *x, int n, const float *w, i64 wstride, i64 rstride, int H, int W,
-    int c0, int nc, const float *a, const float *const *b) {
+    int c0, int nc, const float *a, const float *const *b, int wide) {
     __m512 acc[BLOCK_ROWS][4];
     i64 off[BLOCK_ROWS][4], aoff[BLOCK_ROWS][4]; /* where the weights of (row, 16-channel chunk) sit */
     for (int r = 0; r < BLOCK_ROWS; r++)
@@ -181,6 +183,17 @@ static inline __attribute__((always_inline)) void mix_block(
         __m512 v[4];
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) v[c] = c < nc ? _mm512_loadu_ps(xi + 16 * c) : _mm512_setzero_ps();
+        if (wide) { /* one weight per row: broadcast once, used by its 4 chunks */
+#pragma GCC unroll 4
+            for (int r = 0; r < BLOCK_ROWS; r++) {
+                if (r >= nr) continue;
+                const __m512 wr = _mm512_set1_ps(wi[off[r][0]]);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++)
+                    if (c < nc) acc[r][c] = _mm512_fmadd_ps(wr, v[c], acc[r][c]);
+            }
+            continue;
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < BLOCK_ROWS; r++)
 #pragma GCC unroll 4
@@ -210,12 +223,15 @@ static void mix_rows(float *const *rows, int R, const float *const *x, int n, co
                 float *const *rr = rows + r0;
                 const float *wr = w + r0 * rstride, *ar = a ? a + r0 * H : NULL;
                 const float *const *br = b ? b + r0 : NULL;
-                /* constant block shapes, so that the guards of mix_block fold away */
-                if (nc == 4 && nr == 4) mix_block(rr, 4, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br);
-                else if (nc == 4 && nr == 1) mix_block(rr, 1, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br);
-                else if (nc == 4 && nr == 2) mix_block(rr, 2, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br);
-                else if (nc == 4 && nr == 3) mix_block(rr, 3, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br);
-                else mix_block(rr, nr, x, n, wr, wstride, rstride, H, W, c0, nc, ar, br);
+                /* constant block shapes, so that the guards of mix_block fold away; a head at
+                 * least 64 channels wide has one weight per row of the block */
+#define MIX(NR, WIDE) mix_block(rr, NR, x, n, wr, wstride, rstride, H, W, c0, 4, ar, br, WIDE)
+#define MIX_ROWS(WIDE) (nr == 4 ? MIX(4, WIDE) : nr == 1 ? MIX(1, WIDE) : nr == 2 ? MIX(2, WIDE) : MIX(3, WIDE))
+                if (nc == 4 && W % 64 == 0) MIX_ROWS(1);
+                else if (nc == 4) MIX_ROWS(0);
+                else mix_block(rr, nr, x, n, wr, wstride, rstride, H, W, c0, nc, ar, br, 0);
+#undef MIX_ROWS
+#undef MIX
             }
         }
         return;
@@ -631,31 +647,42 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
     for (i64 ta = t0; ta < t1; ta += TT) {
         const int T = (int)(t1 - ta < TT ? t1 - ta : TT), TJ = T * RH;
         if (!per_token) memset(dq_tile, 0, sizeof(float) * R * d); /* per-token rows are written whole */
-        /* pass 1: q·v and g·v of every (source, token, reader, head) */
-        for (int i = 0; i < n; i++) {
-            dot_batch bq = {.m = 0, .out = QV + (i64)i * TJ}, bg = {.m = 0, .out = B + (i64)i * TJ};
+        /* pass 1: q·v and g·v of every (source, token, reader, head). One head: token by token,
+         * so that a token's R gradient rows stay in L1 while all n sources are scored against
+         * them (source by source, the tile's R·TT gradient rows were read from L2 n times). */
+        if (direct) {
             for (int u = 0; u < T; u++) {
                 const i64 t = ta + u;
-                const float *v = srcs[i] + t * d;
-                if (t + TT < t1) prefetch_row(v + TT * d, d);
                 for (int r = 0; r < R; r++) {
                     qrows[r] = per_token ? q + t * d : q + (i64)r * d;
                     grows[r] = gout[r] + t * d;
-                    if (i == 0 && t + TT < t1) prefetch_row(grows[r] + TT * d, d);
+                    if (t + TT < t1) prefetch_row(grows[r] + TT * d, d);
                 }
-                if (direct) {
-                    row_dots(v, qrows, R, d, bq.out);
-                    row_dots(v, grows, R, d, bg.out);
-                    bq.out += R, bg.out += R;
-                } else {
-                    for (int r = 0; r < R; r++) {
-                        score_row(&bq, qrows[r], v, d, H);
-                        score_row(&bg, grows[r], v, d, H);
-                    }
+                for (int i = 0; i < n; i++) {
+                    const float *v = srcs[i] + t * d;
+                    if (t + TT < t1) prefetch_row(v + TT * d, d);
+                    row_dots(v, qrows, R, d, QV + (i64)i * TJ + u * R);
+                    row_dots(v, grows, R, d, B + (i64)i * TJ + u * R);
                 }
             }
-            batch_flush(&bq, W);
-            batch_flush(&bg, W);
+        } else {
+            for (int i = 0; i < n; i++) {
+                dot_batch bq = {.m = 0, .out = QV + (i64)i * TJ}, bg = {.m = 0, .out = B + (i64)i * TJ};
+                for (int u = 0; u < T; u++) {
+                    const i64 t = ta + u;
+                    const float *v = srcs[i] + t * d;
+                    if (t + TT < t1) prefetch_row(v + TT * d, d);
+                    for (int r = 0; r < R; r++) {
+                        if (i == 0 && t + TT < t1) prefetch_row(gout[r] + (t + TT) * d, d);
+                        score_row(&bq, per_token ? q + t * d : q + (i64)r * d, v, d, H);
+                        score_row(&bg, gout[r] + t * d, v, d, H);
+                    }
+                }
+                batch_flush(&bq, W);
+                batch_flush(&bg, W);
+            }
+        }
+        for (int i = 0; i < n; i++) {
             float *Ai = A + (i64)i * TJ;
             const float *QVi = QV + (i64)i * TJ;
             const float *rho = rms ? rms[i] + ta : NULL;
