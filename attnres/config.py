@@ -5,7 +5,7 @@ YAML onto these same classes as structured configs, so a wrong key fails when a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 # Thirteen variant names: the twelve rows of the paper's ablation (Table 4) plus Hyper-Connections
@@ -81,13 +81,26 @@ class ModelConfig:
         return 2 * self.layers
 
 
+# The variants that read each knob of ResidualConfig; every other variant ignores it.
+_BLOCK_VARIANTS = ("block", "block_multihead", "block_no_rmsnorm")
+KNOB_READERS: dict[str, tuple[str, ...]] = {
+    "block_size": _BLOCK_VARIANTS,
+    "num_blocks": _BLOCK_VARIANTS,
+    "window": ("sliding_window",),
+    "heads": ("block_multihead",),
+    "streams": ("hc", "mhc"),
+    "sinkhorn_iters": ("mhc",),
+    "gate_init": ("mhc",),
+}
+
+
 @dataclass
 class ResidualConfig:
     """Which residual variant owns the residual stream, and its knobs.
 
-    Only the knobs of the chosen variant are read: `block_size`/`num_blocks` by the block
-    variants, `window` by sliding_window, `heads` by block_multihead, `streams` and the
-    Sinkhorn settings by hc/mhc.
+    Only the knobs of the chosen variant are read (KNOB_READERS): `block_size`/`num_blocks` by
+    the block variants, `window` by sliding_window, `heads` by block_multihead, `streams` by
+    hc/mhc and the Sinkhorn settings by mhc.
     """
 
     name: str = "baseline"
@@ -104,9 +117,14 @@ class ResidualConfig:
             raise ValueError(
                 f"residual.name={self.name!r} is not a known variant; allowed: {', '.join(VARIANTS)}"
             )
-        # The knobs the chosen variant reads, named as the command line names them.
-        knobs = {"sliding_window": ("window",), "hc": ("streams",), "mhc": ("streams", "sinkhorn_iters")}
-        for key in knobs.get(self.name, ()):
-            if int(getattr(self, key)) < 1:
+        for key in ("window", "streams", "sinkhorn_iters"):  # counts, when the variant reads them
+            if self.name in KNOB_READERS[key] and int(getattr(self, key)) < 1:
                 raise ValueError(f"residual.{key}={getattr(self, key)} must be a positive integer "
                                  f"for residual={self.name}")
+
+    def unread_settings(self) -> dict[str, object]:
+        """The knobs set away from their defaults that this variant does not read: the model is
+        the same without them (`residual=baseline residual.block_size=8` is the baseline)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return {key: getattr(self, key) for key, readers in KNOB_READERS.items()
+                if self.name not in readers and getattr(self, key) != defaults[key]}

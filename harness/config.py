@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -209,6 +209,7 @@ class RunSpec:
     parallel: ParallelMode | None = None  # None: one process
     world_size: int = 1
     data_micro_batch_size: int = 0  # the single-process micro-batch (train.micro_batch_size or batch_size)
+    ignored: dict[str, Any] = field(default_factory=dict)  # residual knobs set but not read by the variant (reset)
 
     @property
     def tokens(self) -> int:
@@ -236,6 +237,9 @@ def resolve_device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda", "mps"):
         _fail(f"train.device={name!r}: unsupported device type; allowed: auto, cpu, cuda, cuda:N, mps")
     return device
+
+
+_RESIDUAL_DEFAULTS = {f.name: f.default for f in fields(ResidualConfig)}
 
 
 def to_objects(cfg: DictConfig) -> RunConfig:
@@ -296,6 +300,10 @@ def _positive(section: str, obj: Any, *keys: str, allow_zero: bool = False) -> N
 def validate(cfg: DictConfig) -> RunSpec:
     """Check a composed config and derive the run's plan. Raises ConfigError (one line)."""
     run = to_objects(cfg)
+    # Knobs the variant does not read leave the model unchanged, so the run is recorded, keyed and
+    # named without them: `-m residual=baseline,block residual.block_size=2,8` trains one baseline.
+    ignored = run.residual.unread_settings()
+    run.residual = replace(run.residual, **{key: _RESIDUAL_DEFAULTS[key] for key in ignored})
     t, o, s, m = run.train, run.optim, run.schedule, run.model
 
     _positive("train", t, "tokens", "steps", "flops", "tokens_per_param", "batch_size",
@@ -358,7 +366,7 @@ def validate(cfg: DictConfig) -> RunSpec:
         cfg=run, device=device, autocast_dtype=torch.bfloat16 if precision is Precision.bf16 else None,
         compile=compile_, micro_batch_size=rank_micro, accum_steps=accum, steps=steps,
         tokens_per_step=tokens_per_step, counts=counts, parallel=parallel, world_size=world,
-        data_micro_batch_size=micro,
+        data_micro_batch_size=micro, ignored=ignored,
     )
 
 

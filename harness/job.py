@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from attnres.config import KNOB_READERS
 from harness import distributed, instrument, malloc, memory_budget, provenance, pruning
 from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
@@ -61,9 +62,24 @@ _NAMED = ("residual", "model", "train.seed", "sweep")
 def run_label(c, overrides: list) -> str:
     """The default run name: <variant>-<model>-s<seed>, then the job's other overrides that change
     what it computes (`block-default-s0 model.layers=16 residual.block_size=2`), so that the runs
-    of a sweep over shapes tell themselves apart in `mlflow ui`."""
-    rest = [line.lstrip("+") for line in overrides if changes_the_run(line) and override_key(line) not in _NAMED]
+    of a sweep over shapes tell themselves apart in `mlflow ui`; a residual knob the variant does
+    not read changes nothing (`baseline-default-s0`, not `... residual.block_size=2`)."""
+    rest = [line.lstrip("+") for line in overrides
+            if changes_the_run(line) and override_key(line) not in _NAMED and not _unread_knob(c, line)]
     return " ".join([f"{c.residual.name}-{c.model.name}-s{c.train.seed}", *rest])
+
+
+def _unread_knob(c, line: str) -> bool:
+    section, _, knob = override_key(line).partition(".")
+    return section == "residual" and knob in KNOB_READERS and c.residual.name not in KNOB_READERS[knob]
+
+
+def _note_unread_knobs(name: str, ignored: dict) -> None:
+    """One line for residual knobs a run sets that its variant does not read (validate resets them)."""
+    if ignored:
+        knobs = "; ".join(f"residual.{k}={v} (read by {', '.join(KNOB_READERS[k])})" for k, v in ignored.items())
+        log.warning(f"residual={name} does not read {knobs}: the model does not change; the run is named "
+                    "and recorded with the defaults")
 
 
 def _hydra_mode() -> tuple[bool, str | None, list]:
@@ -116,6 +132,7 @@ def _run(cfg: DictConfig) -> float:
     multirun, output_dir, overrides = _hydra_mode()
     try:
         spec = validate(cfg)
+        _note_unread_knobs(spec.cfg.residual.name, spec.ignored)
         if spec.cfg.train.threads:
             torch.set_num_threads(spec.cfg.train.threads)
         if spec.cfg.train.keep_freed_memory and not malloc.keep_freed_memory():

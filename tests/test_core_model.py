@@ -43,6 +43,42 @@ def test_starts_exactly_as_the_baseline(variant):
 
 
 
+# A value other than the default for each knob of ResidualConfig (TINY: L = 8 sublayers, d 32).
+_KNOB_CHANGES = dict(block_size=2, num_blocks=4, window=2, heads=4, streams=2, sinkhorn_iters=3, gate_init=0.5)
+
+
+def _residual_fingerprint(variant: str, **knobs) -> list[torch.Tensor]:
+    """Logits of a tiny model at init and again with every residual parameter set to the same
+    random values (zero queries make every read a plain mean, which hides the head count)."""
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(**TINY), ResidualConfig(name=variant, **knobs)).eval()
+    idx = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = [model(idx)[0]]
+        g = torch.Generator().manual_seed(2)
+        for p in model.residual.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        out.append(model(idx)[0])
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_knob_readers_name_exactly_the_variants_whose_model_a_knob_changes(variant):
+    """KNOB_READERS, which run.py uses to drop the knobs a variant ignores from its record and
+    name, against the models themselves (fp32, exact): a knob changes the model (its logits at init
+    or with perturbed mixing parameters) if and only if the table says the variant reads it."""
+    from attnres.config import KNOB_READERS
+
+    assert set(KNOB_READERS) == set(_KNOB_CHANGES)
+    base = _residual_fingerprint(variant)
+    for knob, value in _KNOB_CHANGES.items():
+        changed = _residual_fingerprint(variant, **{knob: value})
+        differs = any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(base, changed))
+        assert differs == (variant in KNOB_READERS[knob]), (variant, knob)
+        unread = ResidualConfig(name=variant, **{knob: value}).unread_settings()
+        assert unread == ({} if variant in KNOB_READERS[knob] else {knob: value})
+
+
 def test_print_model_shows_which_residual_it_runs():
     """`print(model)` tells the thirteen variants apart by their residual's knobs (every attention
     residual printed as a bare `AttentionResidual(` before)."""

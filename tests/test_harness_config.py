@@ -49,6 +49,28 @@ def test_overrides_reach_the_typed_objects():
     assert spec.cfg.optim.name.value == "muon" and spec.cfg.schedule.name.value == "wsd"
 
 
+def test_residual_knobs_the_variant_does_not_read_leave_the_run_as_it_was():
+    """`-m residual=baseline,block residual.block_size=8` compares Block at S = 8 with the baseline:
+    the baseline's run is the plain baseline (its record, key and name), trained once whatever S
+    the grid sets; the knob is reported, and kept where the variant reads it."""
+    from harness.checkpoint import run_key
+    from harness.config import to_plain
+
+    plain = validate(compose(["residual=baseline"]))
+    spec = validate(compose(["residual=baseline", "residual.block_size=8", "residual.gate_init=0.5"]))
+    assert spec.ignored == {"block_size": 8, "gate_init": 0.5}
+    assert to_plain(spec.cfg) == to_plain(plain.cfg) and run_key(to_plain(spec.cfg)) == run_key(to_plain(plain.cfg))
+    block = validate(compose(["residual=block", "residual.block_size=8", "model.layers=16"]))
+    assert block.ignored == {} and block.cfg.residual.block_size == 8
+
+
+def test_a_run_says_which_residual_knobs_its_variant_does_not_read(tmp_path):
+    result = run_cli([*TINY, "residual=full", "residual.window=3"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "does not read" in line]
+    assert len(lines) == 1 and "residual=full does not read residual.window=3 (read by sliding_window)" in lines[0]
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["residual=block", "residual.num_blocks=3", "model.layers=4"], "residual.num_blocks=3 must divide"),
     (["residual.name=nope"], "allowed: baseline, denseformer"),

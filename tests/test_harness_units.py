@@ -435,6 +435,8 @@ def test_default_run_names_carry_the_overrides_that_change_the_run():
                  "+optim.lr=0.01", "train=gpu"]
     assert run_label(c, overrides) == "block-default-s1 model.layers=16 residual.block_size=2 optim.lr=0.01 train=gpu"
     assert run_label(c, []) == "block-default-s1"
+    c.residual.name = "baseline"  # a knob the variant does not read changes nothing
+    assert run_label(c, overrides) == "baseline-default-s1 model.layers=16 optim.lr=0.01 train=gpu"
 
 
 def test_the_tracking_group_is_outside_a_runs_identity_as_its_keys_are():
