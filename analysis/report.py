@@ -33,7 +33,7 @@ from . import ablation as abl
 from .significance import holm
 from . import sections as sec
 from .paper import load_paper
-from .runs import RunSet
+from .runs import RunSet, latest_per_config
 
 ROLES = ("ablation", "block_size", "scaling", "arch", "multihop", "tuned_lr")
 
@@ -144,7 +144,7 @@ def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return chosen, "; ".join(n for n in (note + (", " + restriction if restriction else ""), settings) if n) + "."
 
 
-def _inputs(runset: RunSet, roles: pd.Series, opts: Options) -> str:
+def _inputs(runset: RunSet, roles: pd.Series, opts: Options, repeated: pd.DataFrame) -> str:
     runs = runset.runs
     lines = [f"Source: {runset.source}. {len(runs)} training runs in "
              f"{runs['experiment'].nunique()} experiment(s); bootstrap: {opts.n_boot} resamples, "
@@ -164,6 +164,14 @@ def _inputs(runset: RunSet, roles: pd.Series, opts: Options) -> str:
         lines.append(abl.to_markdown(show.fillna("–")))
     else:
         lines.append("\nEvery run finished.\n")
+    if len(repeated):
+        show = repeated[["run_id", "sweep", "variant", "model", "seed", "run_key"]].copy()
+        show["run_id"] = show["run_id"].str[:12]
+        show["seed"] = show["seed"].map(lambda x: "–" if pd.isna(x) else f"{x:g}")
+        lines.append(f"\n**{len(repeated)} finished run(s) repeat the config and seed of a later run** "
+                     "(the same `attnres.run_key`: trained again with `train.resume=false` or into another "
+                     "checkpoint folder) and are left out of every statistic; the latest of each counts once:\n")
+        lines.append(abl.to_markdown(show.fillna("–")))
     return "\n".join(lines)
 
 
@@ -214,7 +222,7 @@ def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path
     paper = load_paper(opts.paper_dir)
     runs = runset.runs.copy()
     runs["section"] = assign_roles(runs, opts.roles)
-    fin = runs[runs["status"] == "FINISHED"]
+    fin, repeated = latest_per_config(runs[runs["status"] == "FINISHED"])
     abl_runs, abl_note = _ablation_runs(fin)
     # Figs. 5 and 8 compare variants at one depth: the ablation's runs when there are any, else
     # the finished runs of the configuration with the most runs (profiles of different depths
@@ -255,7 +263,7 @@ def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path
         paper_note = ("Paper: Kimi Team, *Attention Residuals*, arXiv 2603.15031 (2026); its "
                       "numbers are in `results/paper/`.")
     parts = ["# Attention Residuals: our runs beside the paper\n", paper_note + "\n",
-             "## Runs\n", _inputs(runset, runs["section"], opts),
+             "## Runs\n", _inputs(runset, runs["section"], opts, repeated),
              "## Where we agree with the paper and where we do not\n", _summary(sections)]
     for i, s in enumerate(sections, 1):
         parts += [f"## {i}. {s.title}\n", s.text]

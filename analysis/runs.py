@@ -78,9 +78,10 @@ _FIELDS: dict[str, list[tuple[str, str]]] = {
     "parent_run_id": [("tags", "mlflow.parentRunId")],
     "run_name": [("tags", "mlflow.runName")],
     "data_fingerprint": [("tags", "attnres.data_fingerprint")],
+    "run_key": [("tags", "attnres.run_key")],
 }
 TEXT_COLUMNS = ["run_id", "experiment", "sweep", "variant", "model", "status", "failure", "role",
-                "parent_run_id", "run_name", "data", "data_fingerprint"]
+                "parent_run_id", "run_name", "data", "data_fingerprint", "run_key"]
 DEPTH_PREFIXES = {"depth/output_rms/block_": "output_rms_block_",
                   "depth/grad_norm/block_": "grad_norm_block_"}
 # Multi-hop probe accuracy per hop count k (latest evaluation = the end of training).
@@ -105,7 +106,20 @@ class RunSet:
 
     @property
     def finished(self) -> pd.DataFrame:
-        return self.runs[self.runs["status"] == "FINISHED"]
+        """The FINISHED runs, the latest of each config and seed (`latest_per_config`)."""
+        return latest_per_config(self.runs[self.runs["status"] == "FINISHED"])[0]
+
+
+def latest_per_config(finished: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(kept, superseded). Finished runs sharing an ``attnres.run_key`` (the hash of the whole
+    config, seed included) are one config trained again (``train.resume=false``, or another
+    checkpoint folder into the same store), not independent seeds: counted as such they would
+    narrow every interval with a copy. The latest started is kept; runs without the tag (older
+    harnesses, ad-hoc runs) are all kept."""
+    keyed = finished[finished["run_key"].notna()]
+    latest = keyed.sort_values("start_time", kind="mergesort", na_position="first").drop_duplicates("run_key", keep="last")
+    superseded = keyed.index.difference(latest.index)
+    return finished.drop(index=superseded), finished.loc[superseded]
 
 
 # --------------------------------------------------------------------------------------------

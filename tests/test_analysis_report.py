@@ -258,6 +258,40 @@ def test_report_on_ad_hoc_runs(tmp_path, monkeypatch):
     assert "No metric histories in the input." in report
 
 
+def test_a_config_trained_again_counts_once(tmp_path, monkeypatch):
+    """A config and seed trained twice into one store (`train.resume=false`, or another checkpoint
+    folder: the same `attnres.run_key`) is one sample, not two seeds: the later run counts, the
+    earlier is listed as left out. Runs without the tag all count."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'again.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("default", artifact_location=(tmp_path / "art").as_uri())
+
+    def run(variant, seed, loss, start, key="auto"):
+        tags = {"attnres.variant": variant}
+        if key:
+            tags["attnres.run_key"] = f"{variant}{seed}" if key == "auto" else key
+        rid = client.create_run(exp, start_time=start, tags=tags).info.run_id
+        client.log_batch(rid, metrics=[Metric("final/val_loss", loss, 0, 1)], params=[Param("train.seed", str(seed))])
+        client.set_terminated(rid)
+        return rid
+
+    first = run("baseline", 0, 2.50, start=1000)
+    run("baseline", 0, 2.00, start=2000)  # the same config and seed, trained again later
+    run("baseline", 1, 2.02, start=1500)
+    for seed in (0, 1):
+        run("block", seed, 1.97 + 0.01 * seed, start=1100 + seed)
+    for seed in (0, 0):  # older runs without the tag: both kept
+        run("mhc", seed, 1.98, start=1200, key=None)
+    out = tmp_path / "out"
+    assert main(["report", "--tracking-uri", uri, "--out", str(out), "--n-boot", "20"]) == 0
+    table = pd.read_csv(out / "tables" / "table4_ablation.csv").set_index("variant")
+    assert table.loc["baseline", "n"] == 2 and table.loc["block", "n"] == 2 and table.loc["mhc", "n"] == 2
+    assert table.loc["baseline", "loss"] == pytest.approx(2.01)  # the later seed-0 run, not 2.50
+    report = (out / "REPORT.md").read_text()
+    assert "1 finished run(s) repeat the config and seed of a later run" in report and first[:12] in report
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--tracking-uri", "sqlite:///{root}/nope.db"], "tracking database not found"),
     (["--tracking-uri", "{uri}", "--experiment", "ghost"], "unknown experiment 'ghost'"),
