@@ -5,7 +5,7 @@ YAML onto these same classes as structured configs, so a wrong key fails when a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 # Thirteen variant names: the twelve rows of the paper's ablation (Table 4) plus Hyper-Connections
@@ -125,6 +125,13 @@ class ResidualConfig:
     def unread_settings(self) -> dict[str, object]:
         """The knobs set away from their defaults that this variant does not read: the model is
         the same without them (`residual=baseline residual.block_size=8` is the baseline)."""
-        defaults = {f.name: f.default for f in fields(self)}
         return {key: getattr(self, key) for key, readers in KNOB_READERS.items()
-                if self.name not in readers and getattr(self, key) != defaults[key]}
+                if self.name not in readers and getattr(self, key) != _defaults()[key]}
+
+    def without_unread(self) -> "ResidualConfig":
+        """This config with `unread_settings()` back at their defaults: the same model."""
+        return replace(self, **{key: _defaults()[key] for key in self.unread_settings()})
+
+
+def _defaults() -> dict[str, object]:
+    return {f.name: f.default for f in fields(ResidualConfig)}

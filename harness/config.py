@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
@@ -239,9 +239,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-_RESIDUAL_DEFAULTS = {f.name: f.default for f in fields(ResidualConfig)}
-
-
 def to_objects(cfg: DictConfig) -> RunConfig:
     """The composed config as dataclass objects, each __post_init__ run (one line on error)."""
     _reject_added_keys(cfg)
@@ -303,7 +300,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     # Knobs the variant does not read leave the model unchanged, so the run is recorded, keyed and
     # named without them: `-m residual=baseline,block residual.block_size=2,8` trains one baseline.
     ignored = run.residual.unread_settings()
-    run.residual = replace(run.residual, **{key: _RESIDUAL_DEFAULTS[key] for key in ignored})
+    run.residual = run.residual.without_unread()
     t, o, s, m = run.train, run.optim, run.schedule, run.model
 
     _positive("train", t, "tokens", "steps", "flops", "tokens_per_param", "batch_size",

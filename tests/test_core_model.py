@@ -75,8 +75,9 @@ def test_knob_readers_name_exactly_the_variants_whose_model_a_knob_changes(varia
         changed = _residual_fingerprint(variant, **{knob: value})
         differs = any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(base, changed))
         assert differs == (variant in KNOB_READERS[knob]), (variant, knob)
-        unread = ResidualConfig(name=variant, **{knob: value}).unread_settings()
-        assert unread == ({} if variant in KNOB_READERS[knob] else {knob: value})
+        cfg = ResidualConfig(name=variant, **{knob: value})
+        assert cfg.unread_settings() == ({} if variant in KNOB_READERS[knob] else {knob: value})
+        assert cfg.without_unread() == (cfg if variant in KNOB_READERS[knob] else ResidualConfig(name=variant))
 
 
 def test_print_model_shows_which_residual_it_runs():
