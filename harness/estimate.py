@@ -28,6 +28,8 @@ Design decisions:
   (the grid sampler: at most the grid's size). A trial's FLOPs are taken at every corner of the
   search space and the largest kept, so a searched key that changes the model or the budget is
   still bounded; the total is an upper bound because pruned trials stop early.
+- A job that is an earlier job's run again (the same run key: it sets a residual knob its variant
+  does not read) counts 0 trials: run.py returns the earlier one's result.
 - GPU-hours = FLOPs / (peak × MFU) / 3600. The default peak is the dense (no sparsity) bf16
   tensor-core peak of one H100/H200 SXM, 989 TFLOP/s; MFU 0.40 is typical of a well-tuned
   single-GPU run of a model this size, not a measurement of this code.
@@ -145,14 +147,24 @@ def _label(overrides: Sequence[str], keys: list[str]) -> str:
 
 
 def _basic_jobs(master: DictConfig) -> list[Job]:
+    """The grid's jobs; one that is an earlier job's run again (it sets a residual knob its variant
+    does not read, which validate drops) trains nothing: it returns that run's result."""
     from harness.callbacks import job_configs
+    from harness.checkpoint import run_key
+    from harness.config import to_plain
 
     jobs = job_configs(master)
     keys = _varying([o for o, _ in jobs])
-    return [
-        _job(_validate(cfg, f"job {i} ({' '.join(o) or 'no overrides'})"), _label(o, keys))
-        for i, (o, cfg) in enumerate(jobs)
-    ]
+    out, first = [], {}
+    for i, (o, cfg) in enumerate(jobs):
+        spec = _validate(cfg, f"job {i} ({' '.join(o) or 'no overrides'})")
+        key = run_key(to_plain(spec.cfg))
+        if key in first:
+            out.append(_job(spec, f"{_label(o, keys)} (= job {first[key]})", trials=0))
+        else:
+            first[key] = i
+            out.append(_job(spec, _label(o, keys)))
+    return out
 
 
 def _corners(dimension: Any) -> list[str]:

@@ -50,6 +50,15 @@ def test_jobs_are_the_grid_product_and_their_flops_the_models_own():
     assert by_variant["baseline"] < by_variant["block"] < by_variant["full"]
 
 
+def test_a_job_that_repeats_an_earlier_run_costs_nothing():
+    """`residual=baseline,block residual.block_size=2,4`: the baseline does not read block_size, so
+    its second job is its first job's run again (run.py returns the recorded result)."""
+    jobs = expand(["+sweep=ablation", "residual=baseline,block", "residual.block_size=2,4", "train.seed=0", SHORT])
+    assert [(j.variant, j.trials) for j in jobs] == [("baseline", 1), ("baseline", 0), ("block", 1), ("block", 1)]
+    assert jobs[1].label.endswith("(= job 0)") and jobs[1].total_flops == 0
+    assert jobs[2].train_flops != jobs[3].train_flops  # block reads it: two models
+
+
 def test_the_whole_sweep_file_is_expanded_as_its_comma_lists_multiply():
     params = OmegaConf.load(ROOT / "sweeps" / "ablation.yaml").hydra.sweeper.params
     product = math.prod(len(str(v).split(",")) for v in params.values())
