@@ -94,6 +94,11 @@ KNOB_READERS: dict[str, tuple[str, ...]] = {
 }
 
 
+def reads(variant: str, knob: str) -> bool:
+    """Whether `variant` reads ResidualConfig's `knob` (a field outside KNOB_READERS: every variant)."""
+    return variant in KNOB_READERS.get(knob, (variant,))
+
+
 @dataclass
 class ResidualConfig:
     """Which residual variant owns the residual stream, and its knobs.
@@ -118,15 +123,15 @@ class ResidualConfig:
                 f"residual.name={self.name!r} is not a known variant; allowed: {', '.join(VARIANTS)}"
             )
         for key in ("window", "streams", "sinkhorn_iters"):  # counts, when the variant reads them
-            if self.name in KNOB_READERS[key] and int(getattr(self, key)) < 1:
+            if reads(self.name, key) and int(getattr(self, key)) < 1:
                 raise ValueError(f"residual.{key}={getattr(self, key)} must be a positive integer "
                                  f"for residual={self.name}")
 
     def unread_settings(self) -> dict[str, object]:
         """The knobs set away from their defaults that this variant does not read: the model is
         the same without them (`residual=baseline residual.block_size=8` is the baseline)."""
-        return {key: getattr(self, key) for key, readers in KNOB_READERS.items()
-                if self.name not in readers and getattr(self, key) != _defaults()[key]}
+        return {key: getattr(self, key) for key in KNOB_READERS
+                if not reads(self.name, key) and getattr(self, key) != _defaults()[key]}
 
     def without_unread(self) -> "ResidualConfig":
         """This config with `unread_settings()` back at their defaults: the same model."""

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from attnres.config import KNOB_READERS
+from attnres.config import KNOB_READERS, reads
 from harness import distributed, instrument, malloc, memory_budget, provenance, pruning
 from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
 from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
@@ -71,7 +71,7 @@ def run_label(c, overrides: list) -> str:
 
 def _unread_knob(c, line: str) -> bool:
     section, _, knob = override_key(line).partition(".")
-    return section == "residual" and knob in KNOB_READERS and c.residual.name not in KNOB_READERS[knob]
+    return section == "residual" and not reads(c.residual.name, knob)
 
 
 def _note_unread_knobs(name: str, ignored: dict) -> None:

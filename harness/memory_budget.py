@@ -121,8 +121,7 @@ def check_fits(spec: RunSpec) -> None:
         f"{t.seq_len} tokens needs about {need(spec.micro_batch_size) / GIB:.1f} GiB "
         f"({per_token / 1024:.1f} KiB per token kept for the backward, measured on a probe; parameters, gradients "
         f"and optimizer state {fixed / GIB:.2f} GiB), more than the {available / GIB:.1f} GiB this machine has "
-        f"available; "
-        f"allowed: {allowed}")
+        f"available; allowed: {allowed}")
 
 
 def _divisors(batch: int) -> list[int]:
