@@ -219,7 +219,7 @@ class MLflowMultirunCallback(Callback):
         base = _without_hydra(config)
         if not base.tracking.enabled or rank() != 0:
             return
-        from harness.tracking import TrackingUnreachable, check_tracking_uri, client_for, experiment_id
+        from harness.tracking_store import TrackingUnreachable, check_tracking_uri, client_for, experiment_id
 
         uri = base.tracking.uri
         try:

@@ -48,6 +48,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from attnres.config import reads
 from harness.composition_errors import describe
 from harness.config import ConfigError, RunSpec, register, validate
 
@@ -142,8 +143,13 @@ def _varying(overrides: list[list[str]]) -> list[str]:
     return [k for k, v in values.items() if len(v) > 1]
 
 
-def _label(overrides: Sequence[str], keys: list[str]) -> str:
-    return " ".join(o for o in overrides if o.partition("=")[0] in keys)
+def _label(overrides: Sequence[str], keys: list[str], variant: str) -> str:
+    """The job's varying overrides, less the residual knobs `variant` does not read."""
+    def shown(key: str) -> bool:
+        group, _, knob = key.partition(".")
+        return key in keys and not (group == "residual" and knob and not reads(variant, knob))
+
+    return " ".join(o for o in overrides if shown(o.partition("=")[0]))
 
 
 def _basic_jobs(master: DictConfig) -> list[Job]:
@@ -160,10 +166,10 @@ def _basic_jobs(master: DictConfig) -> list[Job]:
         spec = _validate(cfg, f"job {i} ({' '.join(o) or 'no overrides'})")
         key = run_key(to_plain(spec.cfg))
         if key in first:
-            out.append(_job(spec, f"{_label(o, keys)} (= job {first[key]})", trials=0))
+            out.append(_job(spec, f"{_label(o, keys, spec.cfg.residual.name)} (= job {first[key]})", trials=0))
         else:
             first[key] = i
-            out.append(_job(spec, _label(o, keys)))
+            out.append(_job(spec, _label(o, keys, spec.cfg.residual.name)))
     return out
 
 

@@ -44,7 +44,8 @@ from harness.data import DataError, TokenData, load_data
 from harness.identity import changes_the_run, override_key
 from harness.resolvers import absolute_sqlite
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
-from harness.tracking import MlflowTracker, NullTracker, TrackingUnreachable, check_tracking_uri, replay_folder
+from harness.tracking import MlflowTracker, NullTracker, replay_folder
+from harness.tracking_store import TrackingUnreachable, check_tracking_uri
 from harness.train import NonFiniteLoss, StopRequested, Trainer
 
 log = logging.getLogger(__name__)

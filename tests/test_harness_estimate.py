@@ -56,6 +56,9 @@ def test_a_job_that_repeats_an_earlier_run_costs_nothing():
     jobs = expand(["+sweep=ablation", "residual=baseline,block", "residual.block_size=2,4", "train.seed=0", SHORT])
     assert [(j.variant, j.trials) for j in jobs] == [("baseline", 1), ("baseline", 0), ("block", 1), ("block", 1)]
     assert jobs[1].label.endswith("(= job 0)") and jobs[1].total_flops == 0
+    # the baseline's labels leave out the knob it does not read; block's keep it
+    assert [j.label for j in jobs] == ["residual=baseline", "residual=baseline (= job 0)",
+                                       "residual=block residual.block_size=2", "residual=block residual.block_size=4"]
     assert jobs[2].train_flops != jobs[3].train_flops  # block reads it: two models
 
 

@@ -42,7 +42,7 @@ from harness import pruning
 from harness.identity import changes_the_run
 # A stopped sweep exits as a stopped training run does: 130 (Ctrl-C), 75 (SIGTERM: requeue me).
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, on_sigterm
-from harness.tracking import redact
+from harness.tracking_store import redact
 
 from . import _summary
 from ._ledger import FAILURE_ATTR, VOID_ATTR, Ledger, failure_budget, is_genuine_failure, rank

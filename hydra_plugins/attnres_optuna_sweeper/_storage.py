@@ -8,7 +8,7 @@ Design decisions:
 * **First use of a SQLite file is serialised with a lock.** Two workers that start at once on a
   fresh file would otherwise both create the schema and one of them fails (the same trap as
   MLflow's SQLite store, see ECOSYSTEM.md; the sweeper's MLflow client and every job's take the
-  same lock). The lock is ``flock`` on the database's folder (``harness.tracking.folder_lock``):
+  same lock). The lock is ``flock`` on the database's folder (``harness.tracking_store.folder_lock``):
   enough on one machine, which is the only place a SQLite file can be shared anyway, and it leaves
   no lock file behind.
 * **On a database server, first use is retried instead.** Two workers that start at once on a
@@ -47,7 +47,7 @@ from sqlalchemy.exc import (
     ProgrammingError,
 )
 
-from harness.tracking import folder_lock, redact  # the lock MLflow stores take; the password out of messages
+from harness.tracking_store import folder_lock, redact  # the lock MLflow stores take; the password out of messages
 
 from ._ledger import FAILURE_ATTR, VOID_ATTR
 from .config import SweeperConfigError

@@ -40,7 +40,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
-from harness.tracking import mark_model_training
+from harness.tracking_store import mark_model_training
 
 from ._ledger import FAILURE_ATTR, Ledger, is_genuine_failure
 from ._storage import absolute_sqlite, sqlite_init_lock
