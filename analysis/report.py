@@ -22,7 +22,10 @@ The report is deterministic for a given input and seed (no timestamps, seeded bo
 """
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,9 +77,9 @@ def _text(x) -> str:
     return "?" if pd.isna(x) else f"{x:g}" if isinstance(x, float) else str(x)
 
 
-def _config_key(runs) -> pd.Series:
-    """The CONFIG_COLUMNS of each run as one string ("?" where not logged)."""
-    cols = [c for c in CONFIG_COLUMNS if c in runs]
+def _config_key(runs, columns=CONFIG_COLUMNS) -> pd.Series:
+    """The `columns` of each run as one string ("?" where not logged)."""
+    cols = [c for c in columns if c in runs]
     return runs[cols].apply(lambda c: c.map(_text)).agg("/".join, axis=1)
 
 
@@ -126,6 +129,32 @@ def _one_setting_per_variant(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return runs[keep], "; ".join(notes)
 
 
+# A learning-rate grid varies the learning rate only: its points share the rest of the recipe.
+RECIPE_COLUMNS = tuple(c for c in CONFIG_COLUMNS if c != "lr")
+
+
+def _tuned_lr_runs(fin: pd.DataFrame, abl_runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """(the grid's runs of the recipe (RECIPE_COLUMNS) with the most runs, the ablation's runs of
+    that recipe, which add their learning rate to the grid, a note on what was left out)."""
+    tuned = fin[fin["section"] == "tuned_lr"]
+    if tuned.empty:
+        return tuned, abl_runs.iloc[:0], ""
+    key = _config_key(tuned, RECIPE_COLUMNS)
+    top = key.value_counts().sort_index().idxmax()
+    notes = []
+    if key.nunique() > 1:
+        cols = [c for c in RECIPE_COLUMNS if c in tuned and tuned[c].map(_text).nunique() > 1]
+        first = tuned[key == top].iloc[0]
+        notes.append(f"the grid's runs are restricted to the recipe with the most runs "
+                     f"({', '.join(f'{c} = {_text(first[c])}' for c in cols)}; {int((key != top).sum())} "
+                     "runs of other recipes left out)")
+    extra = abl_runs[_config_key(abl_runs, RECIPE_COLUMNS) == top] if len(abl_runs) else abl_runs
+    if len(abl_runs) and extra.empty:
+        notes.append("the ablation's runs were trained with another recipe than the grid's and do not "
+                     "extend it")
+    return tuned[key == top], extra, "; ".join(notes)
+
+
 def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     sel = fin[fin["section"] == "ablation"]
     # Optuna trials are a search over hyper-parameters, not replicates of one configuration.
@@ -157,8 +186,8 @@ def _inputs(runset: RunSet, roles: pd.Series, opts: Options, repeated: pd.DataFr
         show = bad[["run_id", "sweep", "variant", "model", "seed", "status", "failure"]].copy()
         show["run_id"] = show["run_id"].str[:12]
         show["seed"] = show["seed"].map(lambda x: "–" if pd.isna(x) else f"{x:g}")
-        show["failure"] = show["failure"].map(
-            lambda f: "–" if f is None else f if len(f) <= 200 else f[:199] + "…")
+        show["failure"] = show["failure"].map(  # absent: None, or NaN where a frame mixed them
+            lambda f: "–" if not isinstance(f, str) else f if len(f) <= 200 else f[:199] + "…")
         lines.append(f"\n**{len(bad)} run(s) did not finish** and are left out of every "
                      "statistic:\n")
         lines.append(abl.to_markdown(show.fillna("–")))
@@ -215,10 +244,27 @@ def _summary(sections) -> str:
 
 
 def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path, list[str]]:
-    """Write tables/, figures/ and REPORT.md into ``out``; return (REPORT.md, section errors)."""
-    opts = opts or Options()
+    """Write tables/, figures/ and REPORT.md into ``out``; return (REPORT.md, section errors).
+
+    Everything is written into a staging folder inside ``out`` and moved into place once the
+    report is whole (REPORT.md last), so a report that stops half-way (an error outside the
+    sections, a full disk, Ctrl-C) leaves ``out`` as it was."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
+    try:
+        errors = _write_report(runset, staging, opts or Options())
+        files = sorted((f for f in staging.rglob("*") if f.is_file()), key=lambda f: f.name == "REPORT.md")
+        for file in files:
+            target = out / file.relative_to(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out / "REPORT.md", errors
+
+
+def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
     paper = load_paper(opts.paper_dir)
     runs = runset.runs.copy()
     runs["section"] = assign_roles(runs, opts.roles)
@@ -228,11 +274,12 @@ def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path
     # the finished runs of the configuration with the most runs (profiles of different depths
     # must not be averaged or compared as replicates).
     dyn_runs = abl_runs if len(abl_runs) else _one_configuration(fin)
+    tuned, tuned_extra, tuned_note = _tuned_lr_runs(fin, abl_runs)
 
     jobs = [
         ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note)),
         ("Ablation at each variant's tuned learning rate", lambda: sec.tuned_lr_section(
-            fin[fin["section"] == "tuned_lr"], abl_runs, paper, out)),
+            tuned, tuned_extra, paper, out, tuned_note)),
         ("Block size (paper Fig. 6)", lambda: sec.block_size_section(
             fin[fin["section"] == "block_size"], paper, out)),
         ("Scaling (paper Fig. 4 and Table 2)", lambda: sec.scaling_section(
@@ -267,6 +314,5 @@ def build_report(runset: RunSet, out, opts: Options | None = None) -> tuple[Path
              "## Where we agree with the paper and where we do not\n", _summary(sections)]
     for i, s in enumerate(sections, 1):
         parts += [f"## {i}. {s.title}\n", s.text]
-    path = out / "REPORT.md"
-    path.write_text("\n".join(p.rstrip("\n") + "\n" for p in parts))
-    return path, errors
+    (out / "REPORT.md").write_text("\n".join(p.rstrip("\n") + "\n" for p in parts))
+    return errors

@@ -401,6 +401,67 @@ def test_runs_at_another_learning_rate_or_budget_are_not_pooled_as_seeds():
                     "(1 run at other settings left out)."), note
 
 
+def test_a_learning_rate_grid_is_extended_by_ablation_runs_of_its_recipe_only():
+    """The tuned table adds the ablation's runs at the shared rate to each variant's grid; a grid
+    trained for another budget (train.steps=25 against the ablation's 15) pooled them anyway, and
+    the 'best' point then compared budgets. Grid points share the recipe but the learning rate."""
+    import pandas as pd
+
+    from analysis.report import _tuned_lr_runs
+
+    def runs(section, tokens, lrs):
+        n = len(lrs)
+        return pd.DataFrame({"model": ["default"] * n, "d_model": [64.0] * n, "layers": [4.0] * n,
+                             "tokens": [tokens] * n, "lr": lrs, "seed": [0.0] * n, "variant": ["block"] * n,
+                             "section": [section] * n, "run_id": [f"{section}{i}" for i in range(n)]})
+
+    grid, ablation = runs("tuned_lr", 20480.0, [1e-3, 1e-2]), runs("ablation", 20480.0, [3e-3])
+    tuned, extra, note = _tuned_lr_runs(pd.concat([grid, ablation]), ablation)
+    assert len(tuned) == 2 and extra["run_id"].tolist() == ["ablation0"] and note == ""
+
+    longer = runs("tuned_lr", 34816.0, [1e-3, 1e-2])
+    tuned, extra, note = _tuned_lr_runs(pd.concat([longer, ablation]), ablation)
+    assert len(tuned) == 2 and extra.empty
+    assert note == "the ablation's runs were trained with another recipe than the grid's and do not extend it"
+
+    mixed = pd.concat([grid, longer.iloc[:1].assign(run_id="odd")])
+    tuned, extra, note = _tuned_lr_runs(mixed, ablation)
+    assert tuned["run_id"].tolist() == ["tuned_lr0", "tuned_lr1"] and len(extra) == 1
+    assert "restricted to the recipe with the most runs (tokens = 20480; 1 runs of other recipes left out)" in note, note
+
+
+def test_a_report_that_stops_half_way_leaves_its_folder_as_it_was(tiny_db, tmp_path, monkeypatch):
+    """Runs that ended KILLED without a failure message beside one FAILED with a message (the
+    frame then holds NaN, not None) made the report stop with a traceback after its figures
+    were written. Now it lists them; and a report that does stop writes nothing into --out."""
+    from analysis import report
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    client = MlflowClient(tracking_uri=tiny_db["uri"])
+    exp = client.get_experiment_by_name("ablation").experiment_id
+    killed = client.create_run(exp, tags={"attnres.variant": "block", "attnres.sweep": "ablation"}).info.run_id
+    client.set_terminated(killed, "KILLED")
+    try:
+        assert main(["report", "--tracking-uri", tiny_db["uri"], "--out", str(out), "--n-boot", "20"]) == 0
+        text = (out / "REPORT.md").read_text()
+        assert killed[:12] in text and "FloatingPointError: loss became NaN at step 7" in text
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug outside the sections")
+
+        fresh = tmp_path / "fresh"
+        fresh.mkdir()
+        (fresh / "keep.txt").write_text("mine")
+        monkeypatch.setattr(report, "_summary", broken)
+        with pytest.raises(RuntimeError, match="a bug outside the sections"):
+            main(["report", "--tracking-uri", tiny_db["uri"], "--out", str(fresh), "--n-boot", "20"])
+        assert sorted(p.name for p in fresh.iterdir()) == ["keep.txt"]  # no figure, no staging folder
+    finally:
+        client.delete_run(killed)  # the module's store is shared by the other tests
+
+
 def test_without_a_source_option_the_store_run_py_writes_to_is_read(tiny_db, tmp_path, capsys,
                                                                     monkeypatch):
     """README's environment table: MLFLOW_TRACKING_URI (else <project root>/mlflow.db) is the

@@ -48,6 +48,18 @@ def test_noise_free_fit_is_exact_for_both_forms():
     assert (off.law.E, off.law.A, off.law.alpha) == pytest.approx((1.2, 0.3, 0.2), rel=1e-4)
 
 
+def test_an_offset_fit_without_a_floor_reports_it_as_exactly_zero():
+    """Data with no floor drive E to its lower edge, where the optimiser stops at a value its
+    tolerances and the host's rounding set (1e-10 on one host, 4e-10 on another: results/
+    regenerated differently; 1e-5 here). Below 1e-4 of the smallest loss it is 0, in the fit and
+    in every resample; a real floor of 1e-3 of the loss is kept."""
+    C = np.geomspace(1e-7, 1e-4, 8)
+    off = fit_power_law(C, 2.0 * C ** -0.07, "offset", n_boot=50)
+    assert off.law.E == 0.0 and (off.boot[:, 2] == 0.0).all()
+    small = fit_power_law(C, 0.004 + 2.0 * C ** -0.07, "offset", n_boot=0)
+    assert small.law.E == pytest.approx(0.004, rel=1e-2)
+
+
 @pytest.mark.parametrize("form", ["pure", "offset"])
 def test_batched_lbfgs_reaches_scipy_optimum(form):
     """Our vectorised L-BFGS must reach at least the best scipy L-BFGS-B optimum on the same Huber

@@ -150,6 +150,28 @@ def test_tuned_lr_table_takes_each_variants_best_grid_point_and_judges_with_seed
     assert verdicts["Full AttnRes beats the baseline, each at its tuned learning rate"][1] == "inconclusive"
 
 
+def test_tuned_lr_leaves_out_variants_trained_at_one_learning_rate(tmp_path):
+    """A grid for the baseline alone, beside the ablation's one run per variant at the shared
+    rate, compared the tuned baseline with untuned variants (a new user's report said Full and
+    Block lose to the baseline 'at tuned learning rates', p = 2e-5). Only variants with two rates
+    or more are tuned; a claim about an untuned variant is not tested."""
+    from analysis.paper import load_paper
+
+    rows = [{"variant": "baseline", "seed": 0, "lr": lr, "final_val_loss": loss, "sweep": "tuned_lr"}
+            for lr, loss in ((1e-3, 2.3), (1e-2, 1.9))]
+    rows += [{"variant": v, "seed": s, "lr": 3e-3, "final_val_loss": 2.0 + 0.01 * s, "sweep": "ablation"}
+             for v in ("baseline", "block", "full") for s in (0, 1)]
+    runs = pd.DataFrame(rows)
+    section = sec.tuned_lr_section(runs[runs.sweep == "tuned_lr"], runs[runs.sweep == "ablation"],
+                                   load_paper(None), tmp_path)
+    t = pd.read_csv(tmp_path / "tables" / "table4_tuned_lr.csv")
+    assert t["variant"].tolist() == ["baseline"] and t.loc[0, "lrs"] == "0.001 0.003 0.01"
+    assert "trained at one learning rate only (no grid, so not tuned): full, block" in section.text
+    verdicts = {c.claim: (c.ours, c.verdict) for c in section.claims}
+    assert verdicts["Block AttnRes beats the baseline, each at its tuned learning rate"] == ("no grid for block", "not tested")
+    assert verdicts["Full AttnRes beats the baseline, each at its tuned learning rate"] == ("no grid for full", "not tested")
+
+
 # ----------------------------------------------------------------------------------------------
 # Fig. 8: the depth-weight diagonal is one number per run, with an interval over runs (seeds)
 def _depth_payload(excess: float, sources: int = 9) -> dict:

@@ -102,24 +102,38 @@ def _what_it_would_take(runs: pd.DataFrame, t: pd.DataFrame) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, out: Path) -> Section:
+def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, out: Path,
+                     note: str = "") -> Section:
     """Table 4 at each variant's own learning rate: every variant's best run over a learning-rate
-    grid (sweep `tuned_lr`, plus the ablation's runs of the same seed at the shared rate). One run
-    per grid point, so a difference to the baseline is judged against the ablation's pooled seed
-    noise: Δ ± t·σ·√2 (two single runs)."""
+    grid (sweep `tuned_lr`, plus the ablation's runs of the same seed and recipe at the shared
+    rate). One run per grid point, so a difference to the baseline is judged against the
+    ablation's pooled seed noise: Δ ± t·σ·√2 (two single runs). Only variants trained at two
+    learning rates or more are tuned: one run at the shared rate beside a tuned baseline would
+    credit the baseline with its search. The caller gives runs of one recipe (report.py)."""
     title = "Ablation at each variant's tuned learning rate"
+    claim_names = {"full": "Full AttnRes", "block": "Block AttnRes"}
     if tuned.empty:
         return Section(title, "No learning-rate grid among these runs (sweep `tuned_lr`).\n\n",
                        [Claim("Block AttnRes beats the baseline at tuned learning rates", "no runs",
                               "not tested")])
     seeds = set(tuned["seed"].dropna())
     pool = pd.concat([tuned, ablation[ablation["seed"].isin(seeds)]], ignore_index=True)
+    pool = pool.dropna(subset=["final_val_loss"])
+    rates = pool.groupby("variant")["lr"].nunique()
+    untuned = abl._order({v for v, n in rates.items() if n < 2})
+    pool = pool[~pool["variant"].isin(untuned)]
+    text = (note[0].upper() + note[1:] + ".\n\n") if note else ""
+    if untuned:
+        text += (f"Left out, trained at one learning rate only (no grid, so not tuned): "
+                 f"{', '.join(untuned)}.\n\n")
+    if pool.empty:
+        return Section(title, text + "No variant was trained at two learning rates or more.\n\n",
+                       [Claim(f"{name} beats the baseline, each at its tuned learning rate",
+                              "no grid", "not tested") for name in claim_names.values()])
     paper_loss = paper.table4_loss()
     rows = []
     for v in abl._order(set(pool["variant"])):
-        g = pool[pool["variant"] == v].dropna(subset=["final_val_loss"]).sort_values("lr")
-        if g.empty:
-            continue
+        g = pool[pool["variant"] == v].sort_values("lr")
         best = g.loc[g["final_val_loss"].idxmin()]
         rows.append({"variant": v, "lrs": " ".join(f"{x:g}" for x in g["lr"]), "best_lr": best["lr"],
                      "at_edge": best["lr"] in (g["lr"].min(), g["lr"].max()),
@@ -129,18 +143,19 @@ def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, 
     half = (stats.t.ppf(0.975, dof) * sigma * np.sqrt(2)) if dof else np.nan
     base = table.set_index("variant")["loss"].get("baseline", np.nan)
     table["delta"] = table["loss"] - base
-    table["verdict"] = [("n/a" if v == "baseline" or not np.isfinite(half) else "better" if d + half < 0
+    table["verdict"] = [("n/a" if v == "baseline" or not np.isfinite(half * d) else "better" if d + half < 0
                          else "worse" if d - half > 0 else "tie")
                         for v, d in zip(table["variant"], table["delta"])]
     files = _write(table, out, "table4_tuned_lr")
-    text = _md(table)
+    text += _md(table)
+    noise = (f"±{_f(half)} (t·σ·√2 with the ablation's pooled seed σ = {_f(sigma)})" if np.isfinite(half)
+             else "nothing: no ablation runs of this recipe with two seeds of a variant give the seed noise")
     text += (f"\nOne run per (variant, learning rate), seed {', '.join(f'{x:g}' for x in sorted(seeds))}; "
              "best_lr at_edge = the best point is at an end of the grid (the optimum may lie beyond "
-             f"it). Δ to the tuned baseline is judged against ±{_f(half)} (t·σ·√2 with the "
-             f"ablation's pooled seed σ = {_f(sigma)}): *better*/*worse* only beyond it. That threshold "
-             "is approximate: each loss is the best of the grid's points, a minimum that seed noise "
-             "pulls down by more for a variant whose points are closer together, and σ was measured "
-             "at the ablation's learning rate only; seeds at each chosen rate would settle it.\n\n")
+             f"it). Δ to the tuned baseline is judged against {noise}: *better*/*worse* only beyond it. "
+             "That threshold is approximate: each loss is the best of the grid's points, a minimum that "
+             "seed noise pulls down by more for a variant whose points are closer together, and σ was "
+             "measured at the ablation's learning rate only; seeds at each chosen rate would settle it.\n\n")
     claims = []
     common = table.dropna(subset=["loss", "paper_loss"])
     if len(common) >= 2:
@@ -153,13 +168,18 @@ def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, 
                             "agrees" if tau > 0 and pv < 0.05 else
                             "does not agree" if tau < 0 and pv < 0.05 else "inconclusive", pv))
     t = table.set_index("variant")
-    for v, name in (("full", "Full AttnRes"), ("block", "Block AttnRes")):
-        if v in t.index and "baseline" in t.index:
+    for v, name in claim_names.items():
+        claim = f"{name} beats the baseline, each at its tuned learning rate"
+        missing = [u for u in ("baseline", v) if u not in t.index]
+        if missing:
+            claims.append(Claim(claim, f"no grid for {' and '.join(missing)}", "not tested"))
+        elif not np.isfinite(half):
+            claims.append(Claim(claim, f"Δ = {_f(t.loc[v, 'delta'])}, no seed noise", "not tested"))
+        else:
             d = t.loc[v, "delta"]
             p = (float(2 * stats.t.sf(abs(d) / (sigma * np.sqrt(2)), dof))
-                 if dof and sigma > 0 else np.nan)  # the test behind ±t·σ·√2
-            claims.append(Claim(f"{name} beats the baseline, each at its tuned learning rate",
-                                f"Δ = {_f(d)} ± {_f(half)}", _verdict(d - half, d + half), p))
+                 if sigma > 0 else np.nan)  # the test behind ±t·σ·√2
+            claims.append(Claim(claim, f"Δ = {_f(d)} ± {_f(half)}", _verdict(d - half, d + half), p))
     return Section(title, text, claims, files)
 
 
