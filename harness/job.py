@@ -83,6 +83,26 @@ def _note_unread_knobs(name: str, ignored: dict) -> None:
                     "and recorded with the defaults")
 
 
+def sweep_needs_multirun(hydra_cfg, sweep: str) -> str | None:
+    """The line for a sweep file run without -m (`python run.py +sweep=ablation`): Hydra then
+    trains one run and ignores the sweep's grid (hydra.sweeper.params), silently. Not refused:
+    one job of a sweep, with its recipe, is a run someone may want (one member on 8 GPUs under
+    torchrun, where -m is refused)."""
+    params = OmegaConf.select(hydra_cfg, "sweeper.params") or {}
+    if not params:
+        return None
+    return (f"sweep {sweep} is a grid over {', '.join(params)}: run it with -m (python run.py -m ...); "
+            "without -m this trains one run, at the values given on the command line or the defaults")
+
+
+def _note_sweep_without_multirun(sweep: str) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    line = sweep_needs_multirun(HydraConfig.get(), sweep) if HydraConfig.initialized() else None
+    if line and rank() == 0:
+        log.warning(line)
+
+
 def _hydra_mode() -> tuple[bool, str | None, list]:
     """(is multirun, the job's output folder, its overrides); outside Hydra: (False, None, [])."""
     from hydra.core.hydra_config import HydraConfig
@@ -133,6 +153,8 @@ def _run(cfg: DictConfig) -> float:
     multirun, output_dir, overrides = _hydra_mode()
     try:
         spec = validate(cfg)
+        if not multirun:
+            _note_sweep_without_multirun(spec.cfg.sweep.name)
         _note_unread_knobs(spec.cfg.residual.name, spec.ignored)
         if spec.cfg.train.threads:
             torch.set_num_threads(spec.cfg.train.threads)

@@ -69,6 +69,20 @@ def test_a_run_says_which_residual_knobs_its_variant_does_not_read(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "does not read" in line]
     assert len(lines) == 1 and "residual=full does not read residual.window=3 (read by sliding_window)" in lines[0]
+    assert "is a grid over" not in result.stdout + result.stderr  # no sweep file: nothing about -m
+
+
+def test_a_sweep_file_without_multirun_says_it_trains_one_run(tmp_path):
+    """`python run.py +sweep=ablation` (no -m) trained the grid's first member and exited 0 without
+    a word; the grid needs -m. One line; the run itself still trains (one job of a sweep is a run
+    someone may want)."""
+    from harness.job import sweep_needs_multirun
+
+    result = run_cli([*TINY, "+sweep=ablation"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "is a grid over" in line]
+    assert len(lines) == 1 and "sweep ablation is a grid over residual, train.seed: run it with -m" in lines[0], lines
+    assert sweep_needs_multirun(OmegaConf.create({"sweeper": {"params": None}}), "default") is None
 
 
 @pytest.mark.parametrize("overrides,message", [
