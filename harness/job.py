@@ -46,7 +46,7 @@ from harness.resolvers import absolute_sqlite
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
 from harness.tracking import MlflowTracker, NullTracker, replay_folder
 from harness.tracking_store import TrackingUnreachable, check_tracking_uri
-from harness.train import NonFiniteLoss, StopRequested, Trainer
+from harness.train import RESUME_HINT, NonFiniteLoss, StopRequested, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +403,11 @@ def _end_on_error(tracker, folder: RunFolder | None, error: BaseException, inter
         tracker.end("PRUNED", {"pruned": "true"})
         status = "pruned"
     elif interrupted or isinstance(error, (KeyboardInterrupt, StopRequested, SystemExit)):  # a launcher's exit: resumable
-        tracker.end("KILLED", {"attnres.failure": f"interrupted ({type(error).__name__}: {error})"})
+        reason = f"interrupted ({type(error).__name__}: {error})"
+        if _in_trial():  # the Optuna sweeper voids the trial: its slot is sampled again, this run not resumed
+            reason = (f"interrupted ({type(error).__name__}: {str(error).removesuffix(RESUME_HINT)}); the trial "
+                      "is void: rerunning the sweep samples its slot again")
+        tracker.end("KILLED", {"attnres.failure": reason})
         status = "interrupted"
     else:
         tags = {"attnres.failure": f"{type(error).__name__}: {error}"[:5000]}

@@ -65,6 +65,9 @@ class StopRequested(Exception):
     """Training stopped early on request (after a checkpoint), e.g. by a SIGTERM handler."""
 
 
+RESUME_HINT = "; rerun to resume"  # ends a StopRequested's message (not so in an Optuna trial: job.py)
+
+
 def _due(step: int, interval: int, total: int) -> bool:
     return step == total or (interval > 0 and step % interval == 0)
 
@@ -241,7 +244,7 @@ class Trainer:
         # (a torch.compile on a GPU: minutes) could outlast the scheduler's grace period. Every
         # rank takes part in the decision, so none enters a step the others skip.
         if self.parallel.sums(float(self._stop_requested))[0] > 0:
-            raise StopRequested(f"stopped at step {self.step} of {total} before training; rerun to resume")
+            raise StopRequested(f"stopped at step {self.step} of {total} before training" + RESUME_HINT)
         batches = self.parallel.train_batches(self.data.train, self.step)  # this rank's micro-batches
         bar = tqdm(total=total, initial=self.step, desc=self.label, unit="step", dynamic_ncols=True,
                    disable=not t.progress or rank() != 0, leave=False)
@@ -310,7 +313,7 @@ class Trainer:
                 if self.step == self._kill_at:
                     os._exit(137)  # test hook: die like kill -9 (nothing flushed, nothing closed)
                 if stop:
-                    raise StopRequested(f"stopped at step {self.step} of {total}; rerun to resume")
+                    raise StopRequested(f"stopped at step {self.step} of {total}" + RESUME_HINT)
         finally:
             bar.close()
         return self.final_metrics()

@@ -134,7 +134,10 @@ def test_a_stopped_optuna_sweep_is_one_line_and_the_runs_exit_code(tmp_path, sig
     last = stderr.strip().splitlines()[-1]
     assert last.startswith(f"attnres_optuna sweeper: sweep interrupted ({said}): run the same command again"), last
     (trial,) = [r for r in runs(tmp_path) if r.data.tags.get("attnres.role") == "trial"]
-    assert trial.info.status == "KILLED" and "interrupted (StopRequested" in trial.data.tags["attnres.failure"]
+    failure = trial.data.tags["attnres.failure"]
+    assert trial.info.status == "KILLED" and failure.startswith("interrupted (StopRequested: stopped at step "), failure
+    # the sweeper voids the trial and samples its slot again: the run is not resumed, so not "rerun to resume"
+    assert failure.endswith("); the trial is void: rerunning the sweep samples its slot again"), failure
     import torch
 
     folder = next((tmp_path / "ckpt").rglob("run.json")).parent
