@@ -330,7 +330,7 @@ def depth_weights(payloads: dict[str, dict], out) -> list[Path]:
 def training_curves(histories: pd.DataFrame, runs: pd.DataFrame, out) -> list[Path]:
     """Validation loss against tokens (``val/loss_by_tokens``; against steps, ``val/loss``, in a
     panel where no run logged it), one panel per sweep, one line per run, coloured by variant;
-    unfinished runs dashed."""
+    unfinished runs dashed; runs with fewer than three evaluations marked point by point."""
     sweeps = sorted(runs["sweep"].dropna().unique())
     n = max(len(sweeps), 1)
     cols = min(n, 2)
@@ -352,9 +352,10 @@ def training_curves(histories: pd.DataFrame, runs: pd.DataFrame, out) -> list[Pa
             curve = curve[curve["key"] == key] if curve is not None else None
             if curve is None or curve.empty:
                 continue
+            # a short run's one or two evaluations are a point, not a line: a marker shows them
             ax.plot(curve["step"], curve["value"], color=color(r.variant), lw=1, alpha=0.8,
-                    ls="-" if r.status == "FINISHED" else "--",
-                    label=r.variant if r.variant not in seen else None)
+                    ls="-" if r.status == "FINISHED" else "--", marker="o" if len(curve) < 3 else None,
+                    ms=3, label=r.variant if r.variant not in seen else None)
             seen.add(r.variant)
         if seen:
             ax.set_xlabel(xlabel)

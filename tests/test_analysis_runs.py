@@ -106,3 +106,24 @@ def test_a_run_without_token_metrics_has_no_made_up_tokens_or_compute(tmp_path):
         "count.train_tokens": "41344", "count.flops_per_token": "196992"}.items()])
     row = load_runs(uri).iloc[0]
     assert np.isnan(row["tokens"]) and np.isnan(row["flops"]) and np.isnan(row["compute_pfd"])
+
+
+def test_training_curves_mark_the_evaluations_of_short_runs(tmp_path, monkeypatch):
+    """A run with one or two evaluations (a sweep tried small: `train.steps=15`) was drawn as a
+    line without markers, that is not at all; its points are now marked, a long run stays a line."""
+    from analysis import figures
+
+    runs = pd.DataFrame({"run_id": ["short", "long"], "sweep": ["ablation"] * 2,
+                         "variant": ["block", "baseline"], "status": ["FINISHED"] * 2})
+    histories = pd.DataFrame({"run_id": ["short"] + ["long"] * 4, "key": ["val/loss_by_tokens"] * 5,
+                              "step": [1000, 1000, 2000, 3000, 4000], "value": [3.0, 3.2, 3.0, 2.9, 2.8]})
+    drawn = {}
+
+    def keep(fig, folder, stem):
+        drawn.update({line.get_label(): line.get_marker() for line in fig.axes[0].get_lines()})
+        figures.plt.close(fig)
+        return []
+
+    monkeypatch.setattr(figures, "save", keep)
+    figures.training_curves(histories, runs, tmp_path)
+    assert drawn == {"block": "o", "baseline": "None"}
