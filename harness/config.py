@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig
 from harness.composition_errors import unknown_key
@@ -221,8 +222,15 @@ def _fail(msg: str) -> None:
 
 
 def _one_line(error: Exception) -> str:
-    """OmegaConf errors span lines (key, type, full_key); keep them on one."""
-    return " ".join(str(error).split())
+    """OmegaConf errors span lines (key, type, full_key); keep them on one. A resolver's own error
+    (harness/resolvers.py raises one line naming the key and what is allowed) without OmegaConf's
+    wrapping around it ("ValueError raised while resolving interpolation: ... full_key: ...")."""
+    text = str(error)
+    if isinstance(error, InterpolationResolutionError):
+        own = re.match(r"ValueError raised while resolving interpolation: (.+)", text)
+        if own:
+            return " ".join(own.group(1).split())
+    return " ".join(text.split())
 
 
 def resolve_device(name: str) -> torch.device:

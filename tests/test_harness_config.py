@@ -94,6 +94,8 @@ def test_a_sweep_file_without_multirun_says_it_trains_one_run(tmp_path):
     (["train.seq_len=64", "model.max_seq_len=32"], "train.seq_len=64 exceeds model.max_seq_len=32"),
     # model.max_seq_len is ${train.seq_len}: the line names the key the user set too
     (["train.seq_len=0"], r"model.max_seq_len must be a positive integer, got 0 \(.*it comes from train.seq_len\)"),
+    # a resolver's own line, without OmegaConf's "raised while resolving ... full_key: ..." around it
+    (["+sweep=block_size", "sweep.cell=S3"], r"^sweep.cell='S3' is not a cell of this sweep; allowed: S1, S2, S4, S8, S16, S32, baseline$"),
 ])
 def test_bad_values_are_one_config_error_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as error:
