@@ -354,6 +354,7 @@ def test_a_study_continues_only_with_the_overrides_it_started_with(tmp_path):
     assert "this command gives ['model.layers=8']" in lines[0]
     assert "Traceback" not in other.stderr
     assert len(calls(log)) == 2  # nothing ran
+    assert not (tmp_path / "multirun" / "other").exists()  # nor was a sweep folder or summary written
     sweep(tmp_path, "same", LR, "model.layers=4", "+train.progress=false", "hydra.sweeper.n_trials=3", SWEEP_TEST_CALLS=str(log))
     assert len(calls(log)) == 3
     assert len(study(tmp_path, "test").trials) == 3

@@ -106,6 +106,7 @@ class SweepRunner:
         storage = open_storage(storage_url, s.heartbeat_interval, s.grace_period)
         tracking = resolve_tracking(s.mlflow, self.config, self.base_dir)
         tracker = None if tracking is None else StudyTracker(*tracking, plots=s.mlflow.plots)
+        self._check_existing_studies(plan, prefix, storage)
 
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
@@ -241,25 +242,40 @@ class SweepRunner:
             study = optuna.load_study(
                 study_name=name, storage=storage, sampler=sampler, pruner=pruner
             )
-            if len(study.directions) != 1 or study.direction.name.lower() != s.direction:
-                raise SweeperConfigError(
-                    f"study {name} exists with direction {study.directions[0].name.lower()}, "
-                    f"not {s.direction}: set hydra.sweeper.study_name to start a new study"
-                ) from None
-            started_with = study.user_attrs.get(_FIXED_ATTR)
-            # Sorted: the order of the overrides on the command line changes nothing.
-            before, now = sorted(_identity(started_with or [])), sorted(_identity(plan.fixed))
-            if started_with is not None and before != now:
-                raise SweeperConfigError(
-                    f"study {name} was started with the overrides {before}, this command gives {now}: their "
-                    "trials would not be comparable; run it with the same overrides, or set "
-                    "hydra.sweeper.study_name to start a new study"
-                ) from None
+            self._check_continues(study, plan)
             return study, False
         study.set_user_attr(_FIXED_ATTR, list(plan.fixed))
         for point in enqueue:
             study.enqueue_trial(point, skip_if_exists=True)
         return study, True
+
+    def _check_continues(self, study: optuna.Study, plan: Plan) -> None:
+        """An existing study may be continued by this command: same direction, same overrides."""
+        s, name = self.settings, study.study_name
+        if len(study.directions) != 1 or study.direction.name.lower() != s.direction:
+            raise SweeperConfigError(
+                f"study {name} exists with direction {study.directions[0].name.lower()}, "
+                f"not {s.direction}: set hydra.sweeper.study_name to start a new study"
+            ) from None
+        started_with = study.user_attrs.get(_FIXED_ATTR)
+        # Sorted: the order of the overrides on the command line changes nothing.
+        before, now = sorted(_identity(started_with or [])), sorted(_identity(plan.fixed))
+        if started_with is not None and before != now:
+            raise SweeperConfigError(
+                f"study {name} was started with the overrides {before}, this command gives {now}: their "
+                "trials would not be comparable; run it with the same overrides, or set "
+                "hydra.sweeper.study_name to start a new study"
+            ) from None
+
+    def _check_existing_studies(self, plan: Plan, prefix: str, storage: Any) -> None:
+        """Every cell's study that exists already, checked before anything runs or is written: a
+        refusal leaves no sweep folder or summary behind (it came after the first cells ran)."""
+        for cell in plan.cells:
+            try:
+                study = optuna.load_study(study_name=cell.study_name(prefix), storage=storage)
+            except KeyError:  # a new study
+                continue
+            self._check_continues(study, plan)
 
     def _parent_tags(self, cell: Cell, n_trials: int, storage: Any) -> dict[str, str]:
         s = self.settings
