@@ -158,7 +158,15 @@ def _tex(s: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"),
                  ("#", r"\#")):
         s = s.replace(a, b)
-    return s.replace("±", r"$\pm$").replace("Δ", r"$\Delta$").replace("–", "--")
+    for a, b in _TEX_SYMBOLS.items():
+        s = s.replace(a, b)
+    return s
+
+
+# pdflatex (no unicode-math) refuses these characters in text: each as LaTeX's own.
+_TEX_SYMBOLS = {"±": r"$\pm$", "Δ": r"$\Delta$", "τ": r"$\tau$", "α": r"$\alpha$", "σ": r"$\sigma$",
+                "√": r"$\surd$", "·": r"$\cdot$", "≤": r"$\le$", "≥": r"$\ge$", "≈": r"$\approx$",
+                "−": "-", "–": "--", "—": "---"}
 
 
 def to_latex(df: pd.DataFrame, caption: str = "", label: str = "") -> str:

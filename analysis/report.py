@@ -3,9 +3,9 @@
 Which runs feed which section is decided by the sweep name (``sweep.name``, one MLflow experiment
 per sweep), the names of the harness's ready sweeps: ``ablation`` (Table 4), ``block_size``
 (Fig. 6), ``scaling`` (Fig. 4), ``arch`` (Fig. 7), ``multihop`` (the multi-hop probe) and
-``tuned_lr`` (Table 4 at each variant's best learning rate). A sweep whose name starts with one
-of these
-(``scaling_gpu``) goes to that section; ``--role SWEEP=SECTION`` assigns any other. Runs of no
+``tuned_lr`` (Table 4 at each variant's best learning rate), which the Optuna studies ``lr`` feed
+too. A sweep whose name starts with one of these (``scaling_gpu``) goes to that section;
+``--role SWEEP=SECTION`` assigns any other. Runs of no
 known sweep (ad-hoc runs, ``python run.py -m residual=...``) still get an ablation-style table
 when there is no ablation sweep. Runs compared as seeds must share the model and the training
 recipe (``CONFIG_COLUMNS``: shape, tokens, learning rate, batch, context, data): where the ablation
@@ -51,16 +51,21 @@ class Options:
     paper_dir: Path | None = None
 
 
+# Sweep-name prefixes that feed a section under another name: the Optuna learning-rate studies
+# (`+sweep=lr`) are each variant's search over its learning rate, as the `tuned_lr` grid is.
+PREFIXES = {**{r: r for r in ROLES}, "lr": "tuned_lr"}
+
+
 def assign_roles(runs: pd.DataFrame, overrides: dict[str, str] | None = None) -> pd.Series:
-    """Section of each run: an explicit override for its sweep, else the known sweep name its
-    sweep starts with, else ``other``."""
+    """Section of each run: an explicit override for its sweep, else the section of the known
+    sweep name its sweep starts with (PREFIXES), else ``other``."""
     overrides = overrides or {}
 
     def role(sweep):
         if sweep in overrides:
             return overrides[sweep]
         s = str(sweep or "")
-        return next((r for r in ROLES if s.startswith(r)), "other")
+        return next((PREFIXES[p] for p in sorted(PREFIXES, key=len, reverse=True) if s.startswith(p)), "other")
 
     return runs["sweep"].map(role)
 

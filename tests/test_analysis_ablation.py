@@ -80,6 +80,7 @@ def test_writers(tmp_path):
     md, tex = (p.read_text() for p in abl.write_tables(res, tmp_path)[1:])
     assert md.count("\n|") == 3 and "full_sigmoid" in md and "Kendall τ" in md
     assert r"full\_sigmoid" in tex and r"\begin{tabular}{lrrrrrr}" in tex and "$\\pm$" in tex
+    assert tex.isascii() and r"Kendall $\tau$ = " in tex  # pdflatex refuses a raw τ
     back = pd.read_csv(tmp_path / "table4_ablation.csv")
     assert back.loc[1, "delta"] == pytest.approx(-0.03)
 

@@ -401,6 +401,18 @@ def test_runs_at_another_learning_rate_or_budget_are_not_pooled_as_seeds():
                     "(1 run at other settings left out)."), note
 
 
+def test_sweeps_go_to_sections_by_name_and_the_optuna_lr_studies_feed_the_tuned_table():
+    """`+sweep=lr` (per-variant Optuna studies over the learning rate) was filed under "other" and
+    never used; its finished trials are a learning-rate search like the tuned_lr grid. --role wins."""
+    import pandas as pd
+
+    from analysis.report import assign_roles
+
+    runs = pd.DataFrame({"sweep": ["ablation", "scaling_gpu", "lr", "lr_wide", "tuned_lr", "mine", "lr", None]})
+    roles = assign_roles(runs, {"mine": "arch", "lr_wide": "ablation"})
+    assert roles.tolist() == ["ablation", "scaling", "tuned_lr", "ablation", "tuned_lr", "arch", "tuned_lr", "other"]
+
+
 def test_a_learning_rate_grid_is_extended_by_ablation_runs_of_its_recipe_only():
     """The tuned table adds the ablation's runs at the shared rate to each variant's grid; a grid
     trained for another budget (train.steps=25 against the ablation's 15) pooled them anyway, and
