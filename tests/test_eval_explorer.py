@@ -214,9 +214,10 @@ def test_page_works_in_mlflows_sandboxed_iframe(checkpoint, tmp_path):
         f'style="border:0" srcdoc="{html.escape(page.read_text(), quote=True)}"></iframe></body></html>'
     )
     shot = tmp_path / "host.png"
-    # The screenshot waits for the page to settle in virtual time: on a loaded machine it was once
-    # taken before the iframe's script had drawn.
-    _, err = chromium(tmp_path, host.as_uri(), f"--screenshot={shot}", "--virtual-time-budget=5000")
+    # The screenshot waits for the page to settle in virtual time, and for every compositor stage
+    # of the frame it captures: on a loaded machine it was once taken before the iframe had drawn.
+    _, err = chromium(tmp_path, host.as_uri(), f"--screenshot={shot}", "--virtual-time-budget=5000",
+                      "--run-all-compositor-stages-before-draw")
     assert console_lines(err) == []
     n, _ = coloured(shot)
     assert n > 10000, f"only {n} coloured pixels: the page's script did not draw inside the sandbox"
