@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
+from .kernels import rms_norm
 
 _ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -44,6 +46,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     forward for attention: elementwise ops on the transposed view were slower)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch.nn.RMSNorm (same parameters, same state dict, same math) whose forward and backward
+    are one C kernel each (kernels/rms_norm.py) where the C kernels serve: fp32 CPU tensors in
+    eager mode outside autocast, backend auto or cpu (`kernels.c_kernels_chosen`, the rule of the
+    depth reads). Elsewhere torch's own: its CUDA kernel, or Inductor's fusion under torch.compile.
+    Every variant's sublayers and final norm use it, the baseline's too, so a ratio between
+    variants never rests on one of them having a faster norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.normalized_shape) == 1 and kernels.c_kernels_chosen(
+            [x] if self.weight is None else [x, self.weight], rms_norm.available, rms_norm.why_unavailable,
+            traceable=False,
+        ):
+            return rms_norm.rms_norm(x, self.weight, torch.finfo(x.dtype).eps if self.eps is None else self.eps)
+        return super().forward(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,7 +114,7 @@ class Sublayer(nn.Module):
     def __init__(self, kind: str, cfg: ModelConfig):
         super().__init__()
         self.kind = kind  # "attn" or "mlp": the analysis draws the two kinds of rows apart
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.op = CausalSelfAttention(cfg) if kind == "attn" else SwiGLU(cfg)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import ModelConfig, ResidualConfig
 from .instrumentation import DepthRecorder
-from .layers import Sublayer
+from .layers import RMSNorm, Sublayer
 from .residuals import build_residual
 
 
@@ -30,7 +30,7 @@ class DecoderLM(nn.Module):
             Sublayer(kind, model) for _ in range(model.layers) for kind in ("attn", "mlp")
         )
         self.residual = build_residual(self.residual_config, d, model.sublayers, eps=model.norm_eps)
-        self.norm = nn.RMSNorm(d, eps=model.norm_eps)
+        self.norm = RMSNorm(d, eps=model.norm_eps)
         self.lm_head = nn.Linear(d, model.vocab_size, bias=False)
         if model.tie_embeddings:
             self.lm_head.weight = self.embed.weight

@@ -5,6 +5,7 @@ reader and one head) on their own, and every C read inside a model.
     python benchmarks/cpu_kernel_bench.py --shapes 25,9 8,5,16 # n sources, R readers[, heads[, merge]]
     python benchmarks/cpu_kernel_bench.py --model block        # per-call times in training steps
     python benchmarks/cpu_kernel_bench.py --model block --floor  # its ratio with the kernels doing nothing
+    python benchmarks/cpu_kernel_bench.py --model block --norm   # it and the baseline, C RMSNorm vs torch's
 
 Isolated: one call of the forward and of the backward kernel over N tokens, one thread, buffers
 allocated once and reused (only the kernel's own scratch is allocated, in C; warm caches), best
@@ -35,7 +36,7 @@ from harness import openmp  # noqa: E402
 openmp.set_wait_policy()  # as run.py trains: before torch loads OpenMP (a short spin; harness/openmp.py)
 import torch  # noqa: E402
 
-from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig  # noqa: E402
+from attnres import VARIANTS, DecoderLM, ModelConfig, ResidualConfig, layers  # noqa: E402
 from attnres.kernels import cpu_kernels, native  # noqa: E402
 from harness import malloc  # noqa: E402
 
@@ -195,6 +196,55 @@ def _zeroing(fn):
     return call
 
 
+def _alternating(steps_of: dict, switch, rounds: int, steps: int) -> dict:
+    """CPU seconds per step of each configuration (a key of steps_of, its training step), rounds
+    alternating them (the order rotates), `switch(config)` before each one's steps, one warm-up
+    step each first."""
+    configs = list(steps_of)
+    times = {c: [] for c in configs}
+    for c in configs:
+        switch(c)
+        steps_of[c]()
+    for r in range(rounds):
+        k = r % len(configs)
+        for c in configs[k:] + configs[:k]:
+            switch(c)
+            t = time.process_time()
+            for _ in range(steps):
+                steps_of[c]()
+            times[c].append((time.process_time() - t) / steps)
+    return times
+
+
+def norm_ab(variant: str, rounds: int, steps: int = 3) -> dict:
+    """The baseline and the variant, each with the C RMSNorm (attnres.layers.RMSNorm, the
+    default) and with torch's (nn.RMSNorm.forward), rounds alternating the four: what the C norm
+    saves each model, and each ratio with both models on the same norm."""
+    c_norm = layers.RMSNorm.forward
+
+    def use(config) -> None:
+        layers.RMSNorm.forward = c_norm if config[1] == "C" else torch.nn.RMSNorm.forward
+
+    configs = [(v, norm) for v in ("baseline", variant) for norm in ("C", "torch")]
+    steps_of = {}
+    try:
+        for c in configs:
+            use(c)
+            steps_of[c] = training_step(c[0])
+        times = _alternating(steps_of, use, rounds, steps)
+    finally:
+        layers.RMSNorm.forward = c_norm
+    out = {}
+    for c in configs:
+        same = statistics.median(t / b for t, b in zip(times[c], times[("baseline", c[1])]))
+        to_torch = statistics.median(t / b for t, b in zip(times[c], times[(c[0], "torch")]))
+        out[f"{c[0]}, {c[1]} norm"] = {"step_ms": 1e3 * statistics.median(times[c]), "ratio": same, "vs_torch_norm": to_torch}
+        print(f"{c[0] + ', ' + c[1] + ' norm':28s} {1e3 * statistics.median(times[c]):7.1f} ms CPU per step   "
+              f"ratio to the baseline on the same norm {same:.3f}   step vs the same model on torch's norm {to_torch:.3f}")
+    print(f"({rounds} alternating rounds of {steps} steps each, one thread, medians)")
+    return out
+
+
 def floor(variant: str, rounds: int, steps: int = 3) -> dict:
     """Median CPU time per step and ratio to the baseline's of the variant with its kernels and
     with every kernel entry point doing nothing (see the module docstring), rounds alternating
@@ -216,18 +266,8 @@ def floor(variant: str, rounds: int, steps: int = 3) -> dict:
 
     configs = [("baseline", True), (variant, True), (variant, False)]
     steps_of = {c: training_step(c[0]) for c in configs}  # the no-op's garbage stays in its own model
-    times = {c: [] for c in configs}
     try:
-        for c in configs:
-            kernels_on(c[1])
-            steps_of[c]()
-        for r in range(rounds):
-            for c in configs[r % 3:] + configs[: r % 3]:
-                kernels_on(c[1])
-                t = time.process_time()
-                for _ in range(steps):
-                    steps_of[c]()
-                times[c].append((time.process_time() - t) / steps)
+        times = _alternating(steps_of, lambda c: kernels_on(c[1]), rounds, steps)
     finally:
         kernels_on(True)
     base = times[configs[0]]
@@ -252,16 +292,23 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--floor", action="store_true",
                     help="with --model: the variant's step-time ratio with its kernels and with them doing nothing")
-    ap.add_argument("--rounds", type=int, default=10, help="--floor: alternating rounds")
+    ap.add_argument("--norm", action="store_true",
+                    help="with --model: the baseline and the variant with the C RMSNorm and with torch's")
+    ap.add_argument("--rounds", type=int, default=10, help="--floor, --norm: alternating rounds")
     args = ap.parse_args(argv)
-    if args.floor and not args.model:
-        ap.error("--floor: needs --model VARIANT")
+    if (args.floor or args.norm) and not args.model:
+        ap.error("--floor and --norm need --model VARIANT")
     torch.set_num_threads(1)
     malloc.keep_freed_memory()  # as the harness trains (and model_bench.py measures)
     if not cpu_kernels.available():
         raise SystemExit(f"the C kernels could not be built: {native.why_unavailable('depth_read')}")
     if args.model:
-        floor(args.model, args.rounds) if args.floor else in_model(args.model, args.steps)
+        if args.floor:
+            floor(args.model, args.rounds)
+        elif args.norm:
+            norm_ab(args.model, args.rounds)
+        else:
+            in_model(args.model, args.steps)
         return
     for spec in args.shapes:
         n, R, *rest = (int(x) for x in spec.split(","))

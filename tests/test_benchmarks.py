@@ -240,6 +240,25 @@ def test_cpu_kernel_bench_floor_skips_every_kernel_call_then_restores_them(capsy
     assert "kernels doing nothing" in capsys.readouterr().out
 
 
+def test_cpu_kernel_bench_norm_alternates_both_norms_then_restores_the_c_one(capsys, monkeypatch):
+    """--norm: the four configurations (baseline and block, C and torch's RMSNorm) each step with
+    the norm they name (counted at the C entry point: 33 norms a step with the C norm, none with
+    torch's), and the C norm is the default again afterwards."""
+    from attnres import layers
+    from attnres.kernels import rms_norm
+
+    before = layers.RMSNorm.forward
+    calls = []
+    original = rms_norm.rms_norm
+    monkeypatch.setattr(rms_norm, "rms_norm", lambda *a: calls.append(1) or original(*a))
+    out = cpu_kernel_bench.norm_ab("block", rounds=1, steps=1)
+    assert len(calls) == 2 * 2 * 33  # two models on the C norm, a warm-up and a timed step each
+    assert layers.RMSNorm.forward is before
+    assert out["baseline, C norm"]["ratio"] == 1.0 and out["baseline, torch norm"]["vs_torch_norm"] == 1.0
+    assert all(v["step_ms"] > 0 for v in out.values()) and len(out) == 4
+    assert "ratio to the baseline on the same norm" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("main, argv, message", [
     (model_bench.main, ["--variants", "block,nope"], "--variants: unknown nope; allowed: baseline,"),
     (model_bench.main, ["--variants", "block", "--layers", "1"], "--variants block: residual.block_size=4 must be"),

@@ -15,6 +15,9 @@ paper's Algorithm 1, default) or "per_read" (one read per sublayer); see readers
 Whichever runs, the model is the same: the paths and schedules are tested against each other and
 against `attnres.depth_read`.
 
+Beside the reads, `rms_norm.py` (csrc/rms_norm.c) is the CPU RMSNorm of `attnres.layers.RMSNorm`,
+which every variant's sublayers and final norm use under the same rule (`c_kernels_chosen`).
+
 The core imports torch only: Triton is imported when a kernel first runs, never at import time,
 and the C kernels are compiled and loaded on their first use.
 """

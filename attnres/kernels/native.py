@@ -49,7 +49,7 @@ FLAGS = [
 ]
 
 # Libraries whose parallel regions share torch's OpenMP threads (see the module docstring).
-OPENMP_LIBRARIES = ("depth_read", "depth_read_one", "streams")
+OPENMP_LIBRARIES = ("depth_read", "depth_read_one", "streams", "rms_norm")
 
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _errors: dict[str, str] = {}
@@ -158,7 +158,7 @@ def why_unavailable(name: str) -> Optional[str]:
     return _errors.get(name)
 
 
-# --- arguments of the ctypes calls, shared by the wrappers (cpu_kernels.py, cpu_streams.py) -------
+# --- arguments of the ctypes calls, shared by the wrappers (cpu_kernels.py, cpu_streams.py, rms_norm.py) -------
 
 MIN_TOKENS_PER_THREAD = 256  # below this a thread's share costs more to hand out than it saves
 
