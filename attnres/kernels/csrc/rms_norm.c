@@ -13,10 +13,11 @@
  * Design decisions:
  * - ρ per row is an output: the backward reuses it instead of recomputing the root, and it is all
  *   the backward needs beside x, g and w (x is saved, as torch's own RMSNorm saves it).
- * - dw is summed over tokens per thread: each of the k contiguous token ranges (one per OpenMP
- *   thread, see native.py) sums blocks of BLOCK tokens in fp32 into a double accumulator of its
- *   own, and the ranges are added in range order at the end, so a given thread count always gives
- *   the same result and the error does not grow with the token count.
+ * - dw does not depend on the thread count: the k token ranges (one per OpenMP thread, see
+ *   native.py) are whole blocks of BLOCK tokens, each block's terms are summed in fp32 into a slot
+ *   of its own, and the block sums are added in block order in double at the end. torch's own
+ *   RMSNorm gave the same bits at one and two threads, so a run's loss did not depend on
+ *   train.threads; this keeps that (and the error of the sum does not grow with the token count).
  * - w may be NULL (an RMSNorm without gain), and dw NULL (no gain, or a frozen one): not summed.
  */
 #include <math.h>
@@ -27,9 +28,15 @@
 
 typedef int64_t i64;
 
-#define BLOCK 64 /* tokens whose dw terms are summed in fp32 before the double accumulator */
+#define BLOCK 64 /* tokens whose dw terms are summed in fp32 before the double sum over blocks */
 
 static inline i64 range_start(i64 N, int k, int j) { return N * j / k; }
+
+/* The first token of backward range j of k: whole blocks, the last range to N. */
+static inline i64 block_range_start(i64 N, int k, int j) {
+    const i64 blocks = (N + BLOCK - 1) / BLOCK;
+    return j == k ? N : blocks * j / k * BLOCK;
+}
 
 static void forward_rows(const float *x, const float *w, float *y, float *rho, i64 t0, i64 t1, int d, float eps) {
     for (i64 t = t0; t < t1; t++) {
@@ -48,10 +55,11 @@ static void forward_rows(const float *x, const float *w, float *y, float *rho, i
 }
 
 static void backward_rows(const float *x, const float *w, const float *rho, const float *g, float *dx,
-                          double *acc, float *block, i64 t0, i64 t1, int d) {
+                          float *sums, i64 t0, i64 t1, int d) {
     for (i64 b0 = t0; b0 < t1; b0 += BLOCK) {
         const i64 b1 = b0 + BLOCK < t1 ? b0 + BLOCK : t1;
-        if (acc)
+        float *restrict block = sums ? sums + b0 / BLOCK * d : NULL;
+        if (block)
             for (int c = 0; c < d; c++) block[c] = 0.f;
         for (i64 t = b0; t < b1; t++) {
             const float *restrict xt = x + t * d, *restrict gt = g + t * d;
@@ -72,13 +80,11 @@ static void backward_rows(const float *x, const float *w, const float *rho, cons
 #pragma omp simd
                 for (int c = 0; c < d; c++) o[c] = r * gt[c] - coef * xt[c];
             }
-            if (acc) {
+            if (block) {
 #pragma omp simd
                 for (int c = 0; c < d; c++) block[c] += gt[c] * xt[c] * r;
             }
         }
-        if (acc)
-            for (int c = 0; c < d; c++) acc[c] += block[c];
     }
 }
 
@@ -94,28 +100,18 @@ int attnres_rms_norm_forward(const float *x, const float *w, float *y, float *rh
  * memory for the accumulators ran out. */
 int attnres_rms_norm_backward(const float *x, const float *w, const float *rho, const float *g, float *dx, float *dw,
                               i64 N, int d, int k) {
-    double *acc = NULL;
-    float *blocks = NULL;
-    if (dw) {
-        acc = calloc((size_t)k * d, sizeof(double));
-        blocks = malloc(sizeof(float) * (size_t)k * d);
-        if (!acc || !blocks) {
-            free(acc);
-            free(blocks);
-            return 1;
-        }
-    }
+    const i64 blocks = (N + BLOCK - 1) / BLOCK;
+    float *sums = dw ? malloc(sizeof(float) * (size_t)(blocks > 0 ? blocks : 1) * d) : NULL;
+    if (dw && !sums) return 1;
 #pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
     for (int j = 0; j < k; j++)
-        backward_rows(x, w, rho, g, dx, acc ? acc + (i64)j * d : NULL, blocks ? blocks + (i64)j * d : NULL,
-                      range_start(N, k, j), range_start(N, k, j + 1), d);
+        backward_rows(x, w, rho, g, dx, sums, block_range_start(N, k, j), block_range_start(N, k, j + 1), d);
     if (dw)
         for (int c = 0; c < d; c++) {
             double s = 0.0;
-            for (int j = 0; j < k; j++) s += acc[(i64)j * d + c];
+            for (i64 b = 0; b < blocks; b++) s += sums[b * d + c];
             dw[c] = (float)s;
         }
-    free(acc);
-    free(blocks);
+    free(sums);
     return 0;
 }
