@@ -425,3 +425,21 @@ def test_models_read_with_the_one_reader_kernel_and_match_the_general_read(monke
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
 
+
+
+def test_a_second_derivative_through_the_reads_raises_on_every_path():
+    """create_graph=True through a Block model: the reads' backwards (C kernels and PyTorch path)
+    are not differentiable, so differentiating the gradient again raises, naming why; the C path
+    silently dropped every term through the reads, the PyTorch path failed on an out= argument."""
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(d_model=16, layers=2, n_heads=2, max_seq_len=8), ResidualConfig(name="block", block_size=2))
+    idx = torch.randint(0, 256, (2, 8))
+    for backend in ("cpu", "torch"):
+        kernels.set_backend(backend)
+        try:
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+            (g,) = torch.autograd.grad(loss, model.embed.weight, create_graph=True)
+            with pytest.raises(RuntimeError, match="once_differentiable"):
+                g.pow(2).sum().backward()
+        finally:
+            kernels.set_backend(None)

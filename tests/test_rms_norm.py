@@ -104,6 +104,26 @@ def test_torchs_norm_runs_where_the_c_kernels_do_not(monkeypatch):
     assert isinstance(model.norm, torch.nn.RMSNorm)  # a subclass: same parameters, same state dict
 
 
+def test_second_order_gradients_match_torchs_norm():
+    """create_graph=True (a gradient penalty): the gradient of ‖∂L/∂x‖² with respect to x and to
+    the gain, through our norm and through torch's, fp32, to 1e-5 of each one's largest entry (the
+    kernel's own backward is not differentiable: without its fallback these came out zero)."""
+    kernels.set_backend(None)
+    ours, ref = _norms(64, 1e-6)
+    ref = ref.float()
+    g = torch.Generator().manual_seed(3)
+    x0, w_out = torch.randn(40, 64, generator=g), torch.randn(40, 64, generator=g)
+    got = []
+    for norm in (ours, ref):
+        norm.zero_grad()
+        x = x0.clone().requires_grad_()
+        (gx,) = torch.autograd.grad((norm(x) * w_out).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        got.append((x.grad, norm.weight.grad))
+    for a, b in zip(*got):
+        assert b.abs().max() > 0 and (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 def test_a_model_trains_to_the_same_loss_with_either_norm():
     """Ten AdamW steps of a Block model with the C norm and with torch's (fp32): the losses agree
     to 1e-5 at every step."""

@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..depth_attention import acc_dtype, inv_rms_acc
 
@@ -94,6 +95,7 @@ class _Mix(torch.autograd.Function):
         return tuple(o.to(out_dtype) for o in _mix(alpha, values))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         alpha, *values = ctx.saved_tensors
         R, N, H, n = alpha.shape
@@ -158,6 +160,7 @@ class _SourceScores(torch.autograd.Function):
         return (raw * rho.unsqueeze(-1)).to(v.dtype) if rho is not None else raw.clone()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         v, Q, raw, *rho = ctx.saved_tensors
         N, d = v.shape
@@ -232,6 +235,7 @@ class _MergeRead(torch.autograd.Function):
         return h.to(out_dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         _, key_norm, sigmoid, _ = ctx.cfg  # (eps, key_norm, sigmoid, out_dtype)
         k = ctx.n_extra

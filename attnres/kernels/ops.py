@@ -11,6 +11,11 @@ Each operator runs the Triton kernels on CUDA tensors (and on CPU under the inte
 Triton backend is forced) and the C kernels of cpu_kernels.py on CPU tensors otherwise: one
 operator, one autograd formula, two implementations of the same four functions.
 
+The eager autograd.Functions below are `once_differentiable` (as are the PyTorch path's in
+mix.py): the kernels' gradients are constants to autograd, so a second derivative through a read
+(create_graph=True: a gradient penalty, a Hessian-vector product) raises, rather than silently
+leaving out every term through the reads. `attnres.depth_read`, the reference, is plain PyTorch.
+
 Registering needs only torch; the kernels module (and Triton) is imported on the first call.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import backend, cpu_kernels  # imports torch and ctypes only; the library loads on first use
 
@@ -177,6 +183,7 @@ class _EagerRead(torch.autograd.Function):
         return output
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         d_sources, d_rms, dq, do0, dlse0, *_ = _backward(ctx, grad_out, grad_lse, eager=True)
         return (dq, do0, dlse0, None, None, None, None, None, None, *d_sources, *d_rms)
@@ -198,6 +205,7 @@ class _CRead(torch.autograd.Function):
         return (*outs, lse)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
         n, k, R = ctx.n_src, ctx.n_rms, ctx.R
@@ -230,6 +238,7 @@ class _CReadOne(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         query, init_lse, out, lse, *sources = ctx.saved_tensors
         g = grad_out.contiguous() if grad_out.dtype == torch.float32 else grad_out.float().contiguous()
@@ -331,6 +340,7 @@ class _EagerInvRms(torch.autograd.Function):
         return rho
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         x, rho = ctx.saved_tensors
         return _kernels(x).inv_rms_backward(x, rho, grad.contiguous()), None

@@ -51,13 +51,16 @@ class _CRMSNorm(torch.autograd.Function):
         rho = torch.empty(N, dtype=torch.float32)
         _need().attnres_rms_norm_forward(rows.data_ptr(), native.ptr(weight), y.data_ptr(), rho.data_ptr(), N, d, eps,
                                           native.threads(N))
-        ctx.save_for_backward(rows, rho, weight)
-        ctx.shape = x.shape
+        ctx.save_for_backward(x, rho, weight)  # x, not rows: an input keeps its history for create_graph
+        ctx.eps = eps
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rows, rho, weight = ctx.saved_tensors
+        x, rho, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+            return _differentiable_backward(ctx, x, weight, grad)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         N, d = rows.shape
         g = grad.reshape(N, d).contiguous()
         dx = torch.empty_like(rows)
@@ -69,7 +72,18 @@ class _CRMSNorm(torch.autograd.Function):
         )
         if status:
             raise MemoryError("RMSNorm backward: out of memory for the gain gradient's accumulators")
-        return dx.view(ctx.shape), dw, None
+        return dx.view(x.shape), dw, None
+
+
+def _differentiable_backward(ctx, x, weight, grad):
+    """The backward through torch's own RMSNorm, for higher-order gradients (a gradient penalty, a
+    Hessian-vector product): the kernel's gradients are constants to autograd, which would drop
+    every second-order term through the norm without a word."""
+    inputs = [x] + ([weight] if weight is not None and ctx.needs_input_grad[1] else [])
+    with torch.enable_grad():
+        y = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, ctx.eps)
+        grads = torch.autograd.grad(y, inputs, grad, create_graph=True)
+    return grads[0], (grads[1] if len(grads) > 1 else None), None
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
