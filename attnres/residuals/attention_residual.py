@@ -30,7 +30,9 @@ all its readers by one matmul; under torch.compile Inductor fuses it);
 for static queries with block or full sources, the two-phase schedule of the paper's Algorithm 1
 (phase 1 reads the sources completed before a chunk of sublayers once for all of them, phase 2
 merges each sublayer's newer sources by online softmax). Every path and schedule computes the same
-function (tests/test_kernels.py); forcing one: ATTNRES_KERNEL, ATTNRES_SCHEDULE.
+function (tests/test_kernels.py); forcing one: ATTNRES_KERNEL, ATTNRES_SCHEDULE. Every path gives
+first derivatives; a second derivative through the reads (create_graph=True) raises on all of
+them (kernels/ops.py), where the functional reference `attnres.depth_read` has any order.
 """
 from __future__ import annotations
 
