@@ -426,7 +426,6 @@ def test_models_read_with_the_one_reader_kernel_and_match_the_general_read(monke
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
 
 
-
 def test_a_second_derivative_through_the_reads_raises_on_every_path():
     """create_graph=True through a Block model: the reads' backwards (C kernels and PyTorch path)
     are not differentiable, so differentiating the gradient again raises, naming why; the C path

@@ -215,10 +215,10 @@ def test_page_works_in_mlflows_sandboxed_iframe(checkpoint, tmp_path):
     )
     shot = tmp_path / "host.png"
     # The screenshot waits for the page to settle in virtual time, and for every compositor stage
-    # of the frame it captures; still, with both cores busy (CI's two workers) it was taken before
-    # the iframe had drawn anything, 2 runs in about 30. A later attempt with a longer budget then
-    # draws: a page whose script fails in the sandbox draws nothing in any attempt, and says so on
-    # the console.
+    # of the frame it captures; still, with both cores busy it was taken before the iframe had
+    # drawn anything (once in a CI run beside another, once in three default runs of session 19).
+    # A later attempt with a longer budget then draws: a page whose script fails in the sandbox
+    # draws nothing in any attempt, and says so on the console.
     for budget in (5000, 10000, 20000):
         _, err = chromium(tmp_path, host.as_uri(), f"--screenshot={shot}", f"--virtual-time-budget={budget}",
                           "--run-all-compositor-stages-before-draw")

@@ -30,10 +30,8 @@ typedef int64_t i64;
 
 #define BLOCK 64 /* tokens whose dw terms are summed in fp32 before the double sum over blocks */
 
-static inline i64 range_start(i64 N, int k, int j) { return N * j / k; }
-
-/* The first token of backward range j of k: whole blocks, the last range to N. */
-static inline i64 block_range_start(i64 N, int k, int j) {
+/* The first token of range j of k: whole blocks (for the backward's dw), the last range to N. */
+static inline i64 range_start(i64 N, int k, int j) {
     const i64 blocks = (N + BLOCK - 1) / BLOCK;
     return j == k ? N : blocks * j / k * BLOCK;
 }
@@ -105,7 +103,7 @@ int attnres_rms_norm_backward(const float *x, const float *w, const float *rho, 
     if (dw && !sums) return 1;
 #pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
     for (int j = 0; j < k; j++)
-        backward_rows(x, w, rho, g, dx, sums, block_range_start(N, k, j), block_range_start(N, k, j + 1), d);
+        backward_rows(x, w, rho, g, dx, sums, range_start(N, k, j), range_start(N, k, j + 1), d);
     if (dw)
         for (int c = 0; c < d; c++) {
             double s = 0.0;
