@@ -6,6 +6,7 @@ reader and one head) on their own, and every C read inside a model.
     python benchmarks/cpu_kernel_bench.py --model block        # per-call times in training steps
     python benchmarks/cpu_kernel_bench.py --model block --floor  # its ratio with the kernels doing nothing
     python benchmarks/cpu_kernel_bench.py --model block --norm   # it and the baseline, C RMSNorm vs torch's
+    python benchmarks/cpu_kernel_bench.py --model block --against depth_read=old.c  # a kernel change, A/B in the steps
 
 Isolated: one call of the forward and of the backward kernel over N tokens, one thread, buffers
 allocated once and reused (only the kernel's own scratch is allocated, in C; warm caches), best
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import statistics
 import sys
@@ -125,9 +127,12 @@ def training_step(variant: str):
     return step
 
 
-def in_model(variant: str, steps: int) -> dict:
+@contextlib.contextmanager
+def timed_kernels():
+    """Inside: every call of cpu_kernels' read wrappers (and so of the C entry points behind them)
+    is counted and timed, keyed by (direction, kernel, sources, readers, merge); yields that dict
+    of [count, seconds]. The wrappers are put back on leaving."""
     calls = collections.defaultdict(lambda: [0, 0.0])
-
     originals = {}
 
     def timed(name, kernel, readers, merge):
@@ -143,23 +148,28 @@ def in_model(variant: str, steps: int) -> dict:
 
         setattr(cpu_kernels, name, wrapper)
 
-    # depth_read.c: (sources, inv_rms, query, init_out, ...); depth_read_one.c: (sources, query,
-    # init_out or the read's own output, init_lse, ...), one reader
-    timed("read_forward", "read", lambda a: a[2].shape[0], lambda a: a[3] is not None)
-    timed("read_backward", "read", lambda a: a[2].shape[0], lambda a: a[3] is not None)
-    timed("read_one_forward", "read_one", lambda a: 1, lambda a: a[2] is not None)
-    timed("read_one_backward", "read_one", lambda a: 1, lambda a: a[3] is not None)
-    step = training_step(variant)
     try:
+        # depth_read.c: (sources, inv_rms, query, init_out, ...); depth_read_one.c: (sources, query,
+        # init_out or the read's own output, init_lse, ...), one reader
+        timed("read_forward", "read", lambda a: a[2].shape[0], lambda a: a[3] is not None)
+        timed("read_backward", "read", lambda a: a[2].shape[0], lambda a: a[3] is not None)
+        timed("read_one_forward", "read_one", lambda a: 1, lambda a: a[2] is not None)
+        timed("read_one_backward", "read_one", lambda a: 1, lambda a: a[3] is not None)
+        yield calls
+    finally:
+        for name, inner in originals.items():
+            setattr(cpu_kernels, name, inner)
+
+
+def in_model(variant: str, steps: int) -> dict:
+    with timed_kernels() as calls:
+        step = training_step(variant)
         for _ in range(3):
             step()
         calls.clear()
         t = time.perf_counter()
         for _ in range(steps):
             step()
-    finally:
-        for name, inner in originals.items():
-            setattr(cpu_kernels, name, inner)
     print(f"{variant}: {1e3 * (time.perf_counter() - t) / steps:.1f} ms per training step, {steps} steps")
     total = 0.0
     for (direction, kernel, n, R, merge), (count, seconds) in sorted(calls.items()):
@@ -280,6 +290,53 @@ def floor(variant: str, rounds: int, steps: int = 3) -> dict:
     return out
 
 
+def against(variant: str, alternatives: dict, rounds: int, steps: int = 3) -> dict:
+    """The variant's training steps with the C libraries as built now ("current") and with some of
+    them built from other sources ("against": {library: source file}, e.g. the previous commit's),
+    rounds alternating the two on one model (the order swaps each round), `steps` steps each:
+    median CPU time per step and, per kernel and direction, median time per step in the read
+    wrappers. In a step the kernels meet the caches the sublayers leave behind, which isolated
+    calls do not show; and the kernels' own time varies far less than the step's on a shared
+    machine, so this is what resolves a change of a few percent in one kernel."""
+    builds = {"current": {name: native.load(name) for name in alternatives},
+              "against": {name: native.build_from(name, Path(path)) for name, path in alternatives.items()}}
+
+    def use(config) -> None:
+        for name, lib in builds[config].items():
+            native.install(name, lib)
+
+    step = training_step(variant)
+    per_round = {c: collections.defaultdict(list) for c in builds}
+    try:
+        with timed_kernels() as calls:
+            for c in builds:  # a warm-up step with each build
+                use(c)
+                step()
+            for r in range(rounds):
+                for c in list(builds)[:: 1 if r % 2 == 0 else -1]:
+                    use(c)
+                    calls.clear()
+                    t = time.process_time()
+                    for _ in range(steps):
+                        step()
+                    per_round[c]["step (CPU)"].append((time.process_time() - t) / steps)
+                    kernels = collections.defaultdict(float)
+                    for (direction, kernel, *_), (_, seconds) in calls.items():
+                        kernels[f"{kernel} {direction}"] += seconds / steps
+                    for key, seconds in kernels.items():
+                        per_round[c][key].append(seconds)
+    finally:
+        use("current")
+    what = ", ".join(f"{name}={path}" for name, path in alternatives.items())
+    print(f"{variant}: ms per step, current build vs against ({what}); {rounds} alternating rounds of {steps} steps, medians")
+    out = {}
+    for key in sorted(per_round["current"], key=lambda k: (k == "step (CPU)", k)):
+        a, b = (1e3 * statistics.median(per_round[c][key]) for c in builds)
+        out[key] = {"current_ms": a, "against_ms": b}
+        print(f"  {key:20s} current {a:8.2f}   against {b:8.2f}   against − current {b - a:+7.2f}")
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES,
@@ -294,10 +351,21 @@ def main(argv=None) -> None:
                     help="with --model: the variant's step-time ratio with its kernels and with them doing nothing")
     ap.add_argument("--norm", action="store_true",
                     help="with --model: the baseline and the variant with the C RMSNorm and with torch's")
-    ap.add_argument("--rounds", type=int, default=10, help="--floor, --norm: alternating rounds")
+    ap.add_argument("--against", nargs="+", metavar="LIBRARY=SOURCE",
+                    help="with --model: the kernel times in its steps with the current build and with LIBRARY "
+                         "(depth_read, depth_read_one, ...) built from SOURCE, alternating")
+    ap.add_argument("--rounds", type=int, default=10, help="--floor, --norm, --against: alternating rounds")
     args = ap.parse_args(argv)
-    if (args.floor or args.norm) and not args.model:
-        ap.error("--floor and --norm need --model VARIANT")
+    if (args.floor or args.norm or args.against) and not args.model:
+        ap.error("--floor, --norm and --against need --model VARIANT")
+    alternatives = {}
+    for spec in args.against or []:
+        name, _, path = spec.partition("=")
+        libraries = sorted(p.stem for p in native.CSRC.glob("*.c"))
+        if name not in libraries or not Path(path).is_file():
+            ap.error(f"--against {spec}: expected LIBRARY=SOURCE, LIBRARY one of {', '.join(libraries)} and SOURCE "
+                     "an existing C file")
+        alternatives[name] = path
     torch.set_num_threads(1)
     malloc.keep_freed_memory()  # as the harness trains (and model_bench.py measures)
     if not cpu_kernels.available():
@@ -307,6 +375,8 @@ def main(argv=None) -> None:
             floor(args.model, args.rounds)
         elif args.norm:
             norm_ab(args.model, args.rounds)
+        elif alternatives:
+            against(args.model, alternatives, args.rounds)
         else:
             in_model(args.model, args.steps)
         return

@@ -259,6 +259,44 @@ def test_cpu_kernel_bench_norm_alternates_both_norms_then_restores_the_c_one(cap
     assert "ratio to the baseline on the same norm" in capsys.readouterr().out
 
 
+def test_cpu_kernel_bench_against_runs_each_build_in_its_own_steps(tmp_path, monkeypatch, capsys):
+    """--against: the library built from the other source (here the current one with a comment
+    added: another file) runs exactly the alternative's steps and the current build exactly its
+    own (a warm-up and one timed step each, 25 merges a step, counted at the C entry point), and
+    the current build is the one loaded afterwards."""
+    from attnres.kernels import cpu_kernels, native
+
+    name, sigs = "depth_read_one", cpu_kernels._READ_ONE_SIGNATURES
+    source = tmp_path / f"{name}.c"
+    source.write_text((native.CSRC / f"{name}.c").read_text() + "\n/* another build */\n")
+    current = native.require(name, sigs, "the test")
+    other = native.build_from(name, source)
+    assert other._name != current._name
+    native.install(name, other)
+    native.bind(name, sigs)  # its argument types, before the counting wrapper hides the function
+    native.install(name, current)
+    counts = {"current": 0, "against": 0}
+    for tag, lib in (("current", current), ("against", other)):
+        inner = lib.attnres_read_one_forward
+        monkeypatch.setattr(lib, "attnres_read_one_forward",
+                            lambda *a, _inner=inner, _tag=tag: counts.__setitem__(_tag, counts[_tag] + 1) or _inner(*a))
+    monkeypatch.setattr(native, "build_from", lambda n, path: other if (n, path) == (name, source) else None)
+    out = cpu_kernel_bench.against("block", {name: source}, rounds=1, steps=1)
+    assert counts == {"current": 2 * 25, "against": 2 * 25}
+    assert native.load(name) is current
+    assert set(out) == {"read forward", "read backward", "read_one forward", "read_one backward", "step (CPU)"}
+    assert all(v["current_ms"] > 0 and v["against_ms"] > 0 for v in out.values())
+    assert "against − current" in capsys.readouterr().out
+
+
+def test_cpu_kernel_bench_against_names_what_it_takes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cpu_kernel_bench.main(["--model", "block", "--against", "depth_reed=x.c"])
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "LIBRARY one of depth_read, depth_read_one, rms_norm, streams" in errors[0]
+
+
 @pytest.mark.parametrize("main, argv, message", [
     (model_bench.main, ["--variants", "block,nope"], "--variants: unknown nope; allowed: baseline,"),
     (model_bench.main, ["--variants", "block", "--layers", "1"], "--variants block: residual.block_size=4 must be"),

@@ -82,19 +82,19 @@ def torch_uses_libgomp() -> bool:
     return sys.platform.startswith("linux") and (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
 
 
-def _build(name: str, cc: str) -> Path:
+def _build(name: str, cc: str, source: Optional[Path] = None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
+    source = source or CSRC / f"{name}.c"
     # GCC's -fopenmp links libgomp; clang's would link libomp, a second runtime beside torch's.
     if name in OPENMP_LIBRARIES and torch_uses_libgomp() and "clang" not in version.lower():
         try:
-            return _build_with(name, cc, version, FLAGS + ["-fopenmp"])
+            return _build_with(name, source, cc, version, FLAGS + ["-fopenmp"])
         except (RuntimeError, subprocess.SubprocessError):
             pass  # a compiler without OpenMP: the same kernels, on the calling thread
-    return _build_with(name, cc, version, FLAGS)
+    return _build_with(name, source, cc, version, FLAGS)
 
 
-def _build_with(name: str, cc: str, version: str, flags: list[str]) -> Path:
-    source = CSRC / f"{name}.c"
+def _build_with(name: str, source: Path, cc: str, version: str, flags: list[str]) -> Path:
     headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # what the sources include
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version, _cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
@@ -104,7 +104,9 @@ def _build_with(name: str, cc: str, version: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+        # -I: a source from elsewhere (build_from) includes the headers of csrc/, as the key says
+        done = subprocess.run([cc, *flags, f"-I{CSRC}", str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
         os.replace(tmp, target)
@@ -131,6 +133,25 @@ def load(name: str) -> Optional[ctypes.CDLL]:
             _errors[name] = str(err)
     _loaded[name] = lib
     return lib
+
+
+def build_from(name: str, source: Path) -> ctypes.CDLL:
+    """The library `name` built from another source file (with the headers of csrc/, the same
+    flags and cache), for measuring one version of a kernel against another in one process
+    (benchmarks/cpu_kernel_bench.py --against); `install` makes it the one the wrappers call.
+    Raises RuntimeError if there is no compiler or the build fails."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
+    return ctypes.CDLL(str(_build(name, cc, Path(source))))
+
+
+def install(name: str, lib: Optional[ctypes.CDLL]) -> Optional[ctypes.CDLL]:
+    """Make `lib` the library `load(name)` returns from now on (`bind` sets its argument types at
+    the next call); returns the one it replaces, for putting back."""
+    previous = load(name)
+    _loaded[name] = lib
+    return previous
 
 
 def bind(name: str, signatures: dict) -> Optional[ctypes.CDLL]:

@@ -42,7 +42,7 @@
  * - Each call handles a token range [t0, t1) and adds its query gradient into its own buffer;
  *   the *_ranges entry points run several ranges on OpenMP threads (torch's, see native.py).
  * - Vector-friendly math (own exp/log, no fminf/fmaxf) from vector_math.h; rows are prefetched a
- *   tile ahead.
+ *   tile ahead, the rows to be written too (prefetch_write).
  * Pointers are raw; shapes and contiguity are checked by the Python wrapper (cpu_kernels.py).
  */
 #include <math.h>
@@ -63,6 +63,14 @@ typedef int64_t i64;
  * cache by the time a read (or its backward) comes. */
 static inline void prefetch_row(const float *row, int d) {
     for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c, 0, 1);
+}
+
+/* The same for a row about to be written: a store to a line that is not in cache waits for the
+ * line to be read first, and a read's outputs and gradients are fresh allocations, in a training
+ * step mostly out of cache (in a step, a phase-1 forward 20% shorter; the same in the merges of
+ * depth_read_one.c measured no gain, and is not there). */
+static inline void prefetch_write(float *row, int d) {
+    for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c, 1, 1);
 }
 
 #define TT 64 /* tokens per tile */
@@ -600,6 +608,7 @@ int attnres_read_forward(const float *const *srcs, const float *const *rms, int 
             for (int r = 0; r < R; r++) {
                 rows[r] = out[r] + t * d;
                 base[r] = o0 ? o0 + ((i64)r * N + t) * d : NULL;
+                if (t + TT < t1) prefetch_write(rows[r] + TT * d, d);
             }
             mix_rows(rows, R, xs, n, S + u * RH, TJ, H, d, H, o0 ? A0 + u * RH : NULL, o0 ? base : NULL);
         }
@@ -782,6 +791,7 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
             for (int i = 0; i < n; i++) {
                 rows[i] = dsrc[i] + t * d;
                 vs[i] = srcs[i] + t * d;
+                if (t + TT < t1) prefetch_write(rows[i] + TT * d, d);
             }
             if (fold)
                 for (int i = 0; i < n; i++)
