@@ -376,7 +376,10 @@ def main(argv=None) -> None:
         elif args.norm:
             norm_ab(args.model, args.rounds)
         elif alternatives:
-            against(args.model, alternatives, args.rounds)
+            try:
+                against(args.model, alternatives, args.rounds)
+            except RuntimeError as err:  # the other source did not build
+                raise SystemExit(f"--against: {err}") from None
         else:
             in_model(args.model, args.steps)
         return

@@ -297,6 +297,15 @@ def test_cpu_kernel_bench_against_names_what_it_takes(capsys):
     assert len(errors) == 1 and "LIBRARY one of depth_read, depth_read_one, rms_norm, streams" in errors[0]
 
 
+def test_cpu_kernel_bench_against_a_source_that_does_not_build_says_so(tmp_path, capsys):
+    source = tmp_path / "depth_read.c"
+    source.write_text("this is not C\n")
+    with pytest.raises(SystemExit) as exit_:
+        cpu_kernel_bench.main(["--model", "block", "--against", f"depth_read={source}"])
+    message = str(exit_.value.code)
+    assert message.startswith("--against: ") and "failed on depth_read.c" in message and "\n" not in message
+
+
 @pytest.mark.parametrize("main, argv, message", [
     (model_bench.main, ["--variants", "block,nope"], "--variants: unknown nope; allowed: baseline,"),
     (model_bench.main, ["--variants", "block", "--layers", "1"], "--variants block: residual.block_size=4 must be"),
