@@ -358,10 +358,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if (args.floor or args.norm or args.against) and not args.model:
         ap.error("--floor, --norm and --against need --model VARIANT")
-    alternatives = {}
+    alternatives, libraries = {}, sorted(p.stem for p in native.CSRC.glob("*.c"))
     for spec in args.against or []:
         name, _, path = spec.partition("=")
-        libraries = sorted(p.stem for p in native.CSRC.glob("*.c"))
         if name not in libraries or not Path(path).is_file():
             ap.error(f"--against {spec}: expected LIBRARY=SOURCE, LIBRARY one of {', '.join(libraries)} and SOURCE "
                      "an existing C file")

@@ -146,12 +146,10 @@ def build_from(name: str, source: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(_build(name, cc, Path(source))))
 
 
-def install(name: str, lib: Optional[ctypes.CDLL]) -> Optional[ctypes.CDLL]:
+def install(name: str, lib: Optional[ctypes.CDLL]) -> None:
     """Make `lib` the library `load(name)` returns from now on (`bind` sets its argument types at
-    the next call); returns the one it replaces, for putting back."""
-    previous = load(name)
+    the next call). The caller keeps the one it replaces (`load(name)` before) to put it back."""
     _loaded[name] = lib
-    return previous
 
 
 def bind(name: str, signatures: dict) -> Optional[ctypes.CDLL]:
