@@ -206,10 +206,10 @@ def _zeroing(fn):
     return call
 
 
-def _alternating(steps_of: dict, switch, rounds: int, steps: int) -> dict:
+def _alternating(steps_of: dict, switch, rounds: int, steps: int, after=None) -> dict:
     """CPU seconds per step of each configuration (a key of steps_of, its training step), rounds
     alternating them (the order rotates), `switch(config)` before each one's steps, one warm-up
-    step each first."""
+    step each first; `after(config)`, if given, right after each round's steps of a config."""
     configs = list(steps_of)
     times = {c: [] for c in configs}
     for c in configs:
@@ -223,6 +223,8 @@ def _alternating(steps_of: dict, switch, rounds: int, steps: int) -> dict:
             for _ in range(steps):
                 steps_of[c]()
             times[c].append((time.process_time() - t) / steps)
+            if after is not None:
+                after(c)
     return times
 
 
@@ -305,28 +307,23 @@ def against(variant: str, alternatives: dict, rounds: int, steps: int = 3) -> di
         for name, lib in builds[config].items():
             native.install(name, lib)
 
+    def record(config) -> None:  # each kernel's time per step in this round's steps
+        kernels = collections.defaultdict(float)
+        for (direction, kernel, *_), (_, seconds) in calls.items():
+            kernels[f"{kernel} {direction}"] += seconds / steps
+        for key, seconds in kernels.items():
+            per_round[config][key].append(seconds)
+
     step = training_step(variant)
     per_round = {c: collections.defaultdict(list) for c in builds}
     try:
         with timed_kernels() as calls:
-            for c in builds:  # a warm-up step with each build
-                use(c)
-                step()
-            for r in range(rounds):
-                for c in list(builds)[:: 1 if r % 2 == 0 else -1]:
-                    use(c)
-                    calls.clear()
-                    t = time.process_time()
-                    for _ in range(steps):
-                        step()
-                    per_round[c]["step (CPU)"].append((time.process_time() - t) / steps)
-                    kernels = collections.defaultdict(float)
-                    for (direction, kernel, *_), (_, seconds) in calls.items():
-                        kernels[f"{kernel} {direction}"] += seconds / steps
-                    for key, seconds in kernels.items():
-                        per_round[c][key].append(seconds)
+            times = _alternating({c: step for c in builds}, lambda c: (use(c), calls.clear()), rounds, steps,
+                                 after=record)
     finally:
         use("current")
+    for c in builds:
+        per_round[c]["step (CPU)"] = times[c]
     what = ", ".join(f"{name}={path}" for name, path in alternatives.items())
     print(f"{variant}: ms per step, current build vs against ({what}); {rounds} alternating rounds of {steps} steps, medians")
     out = {}
