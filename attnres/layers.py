@@ -49,18 +49,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch.nn.RMSNorm (same parameters, same state dict, same math) whose forward and backward
-    are one C kernel each (kernels/rms_norm.py) where the C kernels serve: fp32 CPU tensors in
-    eager mode outside autocast, backend auto or cpu (`kernels.c_kernels_chosen`, the rule of the
-    depth reads). Elsewhere torch's own: its CUDA kernel, or Inductor's fusion under torch.compile.
-    Every variant's sublayers and final norm use it, the baseline's too, so a ratio between
-    variants never rests on one of them having a faster norm."""
+    """torch.nn.RMSNorm (same parameters, state dict and math) on one C kernel each way where
+    `kernels.path` says the C kernels serve. Every variant's sublayers and final norm use it, the
+    baseline's too, so no ratio between variants rests on one having a faster norm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.normalized_shape) == 1 and kernels.c_kernels_chosen(
-            [x] if self.weight is None else [x, self.weight], rms_norm.available, rms_norm.why_unavailable,
-            traceable=False,
-        ):
+        tensors = (x,) if self.weight is None else (x, self.weight)
+        if len(self.normalized_shape) == 1 and kernels.path(*tensors, traceable=False) == "c":
             return rms_norm.rms_norm(x, self.weight, torch.finfo(x.dtype).eps if self.eps is None else self.eps)
         return super().forward(x)
 

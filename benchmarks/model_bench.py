@@ -364,7 +364,7 @@ def main(argv=None) -> dict:
 
     info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
                 seq_len=seq_len, block_size=block_size, rounds=rounds, warmup=args.warmup, warmup_seconds=warmup_s,
-                compile=args.compile, autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=kernels.schedule(),
+                compile=args.compile, autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=os.environ.get("ATTNRES_SCHEDULE", "auto"),
                 keep_freed_memory=kept, triton_knobs=triton_knobs, rows=rows, profiles=profiles)
     print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
           f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "

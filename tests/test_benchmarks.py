@@ -12,7 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import cpu_kernel_bench  # noqa: E402
 import model_bench  # noqa: E402
 import op_bench  # noqa: E402
 
@@ -196,114 +195,6 @@ def test_op_bench_implementations_agree(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["impl"] for r in rows] == ["reference eager", "torch path two-phase"] and info["rows"] == rows
     assert all(r["max_abs_diff_vs_reference"] <= 1e-5 for r in rows)  # fp32
-
-
-def test_cpu_kernel_bench_times_both_c_kernels_in_isolation(capsys):
-    """Isolated shapes: depth_read.c for every shape, and depth_read_one.c beside it for one
-    reader and one head (a merge and a plain read), at a width neither fixes at compile time."""
-    cpu_kernel_bench.main(["--shapes", "1,1,1,1", "3,1", "2,3", "--tokens", "40", "--d", "48", "--reps", "1"])
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0].split()[-1] for line in lines] == [
-        "depth_read", "depth_read_one", "depth_read", "depth_read_one", "depth_read"]
-    assert all("µs" in line for line in lines)
-
-
-def test_cpu_kernel_bench_times_every_c_read_of_a_block_model(capsys):
-    """--model block: the phase-1 reads (depth_read.c, 4 readers; the last also serves the output
-    read) and the merges (depth_read_one.c, one reader) are all seen, forward and backward, and
-    the kernels are unwrapped again afterwards."""
-    from attnres.kernels import cpu_kernels
-
-    before = cpu_kernels.read_one_forward
-    calls = cpu_kernel_bench.in_model("block", 1)
-    kinds = {(direction, kernel, merge) for direction, kernel, _, _, merge in calls}
-    assert kinds == {(d, "read", False) for d in ("forward", "backward")} | {(d, "read_one", True) for d in ("forward", "backward")}
-    assert sum(count for (_, kernel, *_), (count, _) in calls.items() if kernel == "read_one") == 2 * 25
-    assert cpu_kernels.read_one_forward is before
-    assert "kernels (with their Python wrappers)" in capsys.readouterr().out
-
-
-def test_cpu_kernel_bench_floor_skips_every_kernel_call_then_restores_them(capsys):
-    """--floor: in the config with the kernels doing nothing, every C entry point of a block
-    step is skipped (per step: 25 merges and 8 phase-1 reads, forward and backward, and the
-    1/rms of the 8 sources phase 1 reads) and its outputs zero-filled; the libraries' real entry
-    points and cpu_kernels' functions are back afterwards."""
-    from attnres.kernels import cpu_kernels, native
-
-    lib = native.require("depth_read_one", cpu_kernels._READ_ONE_SIGNATURES, "the test")
-    before, wrapper = lib.attnres_read_one_backward, cpu_kernels.read_one_backward
-    out = cpu_kernel_bench.floor("block", rounds=1, steps=1)
-    assert out["skipped_calls"] == 2 * (2 * 25 + 2 * 8 + 8)  # the warm-up step and one timed step
-    assert lib.attnres_read_one_backward is before and cpu_kernels.read_one_backward is wrapper
-    assert out["baseline"]["ratio"] == 1.0
-    assert all(out[k]["step_ms"] > 0 for k in ("block", "block, kernels doing nothing"))
-    assert "kernels doing nothing" in capsys.readouterr().out
-
-
-def test_cpu_kernel_bench_norm_alternates_both_norms_then_restores_the_c_one(capsys, monkeypatch):
-    """--norm: the four configurations (baseline and block, C and torch's RMSNorm) each step with
-    the norm they name (counted at the C entry point: 33 norms a step with the C norm, none with
-    torch's), and the C norm is the default again afterwards."""
-    from attnres import layers
-    from attnres.kernels import rms_norm
-
-    before = layers.RMSNorm.forward
-    calls = []
-    original = rms_norm.rms_norm
-    monkeypatch.setattr(rms_norm, "rms_norm", lambda *a: calls.append(1) or original(*a))
-    out = cpu_kernel_bench.norm_ab("block", rounds=1, steps=1)
-    assert len(calls) == 2 * 2 * 33  # two models on the C norm, a warm-up and a timed step each
-    assert layers.RMSNorm.forward is before
-    assert out["baseline, C norm"]["ratio"] == 1.0 and out["baseline, torch norm"]["vs_torch_norm"] == 1.0
-    assert all(v["step_ms"] > 0 for v in out.values()) and len(out) == 4
-    assert "ratio to the baseline on the same norm" in capsys.readouterr().out
-
-
-def test_cpu_kernel_bench_against_runs_each_build_in_its_own_steps(tmp_path, monkeypatch, capsys):
-    """--against: the library built from the other source (here the current one with a comment
-    added: another file) runs exactly the alternative's steps and the current build exactly its
-    own (a warm-up and one timed step each, 25 merges a step, counted at the C entry point), and
-    the current build is the one loaded afterwards."""
-    from attnres.kernels import cpu_kernels, native
-
-    name, sigs = "depth_read_one", cpu_kernels._READ_ONE_SIGNATURES
-    source = tmp_path / f"{name}.c"
-    source.write_text((native.CSRC / f"{name}.c").read_text() + "\n/* another build */\n")
-    current = native.require(name, sigs, "the test")
-    other = native.build_from(name, source)
-    assert other._name != current._name
-    native.install(name, other)
-    native.bind(name, sigs)  # its argument types, before the counting wrapper hides the function
-    native.install(name, current)
-    counts = {"current": 0, "against": 0}
-    for tag, lib in (("current", current), ("against", other)):
-        inner = lib.attnres_read_one_forward
-        monkeypatch.setattr(lib, "attnres_read_one_forward",
-                            lambda *a, _inner=inner, _tag=tag: counts.__setitem__(_tag, counts[_tag] + 1) or _inner(*a))
-    monkeypatch.setattr(native, "build_from", lambda n, path: other if (n, path) == (name, source) else None)
-    out = cpu_kernel_bench.against("block", {name: source}, rounds=1, steps=1)
-    assert counts == {"current": 2 * 25, "against": 2 * 25}
-    assert native.load(name) is current
-    assert set(out) == {"read forward", "read backward", "read_one forward", "read_one backward", "step (CPU)"}
-    assert all(v["current_ms"] > 0 and v["against_ms"] > 0 for v in out.values())
-    assert "against − current" in capsys.readouterr().out
-
-
-def test_cpu_kernel_bench_against_names_what_it_takes(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        cpu_kernel_bench.main(["--model", "block", "--against", "depth_reed=x.c"])
-    assert exit_.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "LIBRARY one of depth_read, depth_read_one, rms_norm, streams" in errors[0]
-
-
-def test_cpu_kernel_bench_against_a_source_that_does_not_build_says_so(tmp_path, capsys):
-    source = tmp_path / "depth_read.c"
-    source.write_text("this is not C\n")
-    with pytest.raises(SystemExit) as exit_:
-        cpu_kernel_bench.main(["--model", "block", "--against", f"depth_read={source}"])
-    message = str(exit_.value.code)
-    assert message.startswith("--against: ") and "failed on depth_read.c" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("main, argv, message", [

@@ -289,20 +289,3 @@ def test_fp16_reads_of_large_sources_keep_their_key_norm(cls):
         assert err < 2e-2, f"{cls} {schedule}: fp16 relative error {err:.2e}"
         got.float().sum().backward()
         assert torch.isfinite(x.grad).all()
-
-
-@pytest.mark.parametrize("name, knobs", [("sliding_window", dict(window=1)), ("sliding_window", dict(window=3)),
-                                         ("full", {})])
-def test_each_source_is_scored_for_exactly_the_readers_that_see_it(name, knobs):
-    """The PyTorch path scores a completed source for readers first..last only (a sliding window's
-    source leaves it after W readers): that range must be exactly the readers whose visibility
-    row holds the source. (Block's columns are also partial sums while their block forms, read
-    through another path; its completed blocks are read from first_readers() on.)"""
-    from attnres import ResidualConfig
-    from attnres.residuals import build_residual
-
-    res = build_residual(ResidualConfig(name=name, **knobs), 16, 8)
-    visible, first, last = res.visibility(), res.first_readers(), res.last_readers()
-    for c in range(res.num_columns):
-        readers = visible[:, c].nonzero().flatten().tolist()
-        assert readers == list(range(first[c], last[c] + 1)), (c, readers)

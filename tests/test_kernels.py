@@ -1,14 +1,13 @@
 """The fused depth-read kernels and the read schedules against the PyTorch reference (CPU).
 
-Two fused implementations are tested, one math: the C kernels of the CPU path
+Two fused implementations are tested, one math: the C kernel of the CPU path
 (attnres/kernels/csrc/depth_read.c, built with the system C compiler on first use) and the Triton
 kernels. The Triton kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set here for
 the test process; the kernels module is imported lazily, on the first kernel call, and avoids
 Triton's standard-library jit functions, so it works even if torch imported Triton first). Shapes
 are small because the interpreter executes every program in numpy. On a GPU,
-benchmarks/gpu_check.py runs the same comparisons on CUDA tensors. Tolerances are the issue's:
-1e-4 for a kernel against the reference in fp32, 1e-5 between schedules, 1e-4 on the loss after
-20 steps.
+benchmarks/gpu_check.py runs the same comparisons on CUDA tensors. Tolerances: 1e-4 for a kernel
+against the reference in fp32, 1e-5 between schedules, 1e-4 on the loss after 20 steps.
 """
 import os
 
@@ -22,7 +21,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig, build_residual, depth_read, kernels  # noqa: E402
-from attnres.kernels.readers import FULL_CHUNK  # noqa: E402
+from attnres.depth_attention import read_chunk  # noqa: E402
+from attnres.residuals.attention_residual import FULL_CHUNK  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -35,13 +35,24 @@ FUSED = [pytest.param("triton", marks=needs_triton), "cpu"]
 def path():
     """Select the read path and the Block schedule for one test; restore the defaults after."""
 
-    def select(backend, schedule="two_phase"):
+    def select(backend, schedule="auto"):
         kernels.set_backend(backend)
         kernels.set_schedule(schedule)
 
     yield select
     kernels.set_backend(None)
     kernels.set_schedule(None)
+
+
+def fused_read(backend, *args, **kw):
+    """depth_read on a forced fused path (the fixture restores the default after the test)."""
+    kernels.set_backend(backend)
+    return depth_read(*args, **kw)
+
+
+def reference(*args, **kw):
+    kernels.set_backend("torch")
+    return depth_read(*args, **kw)
 
 
 def _sources(n, shape, seed, dtype=torch.float32):
@@ -59,7 +70,6 @@ def _sources(n, shape, seed, dtype=torch.float32):
 # vector paths (heads of 64 and of 4 channels; 4 × 8 at d 32 is narrow too)
 @pytest.mark.parametrize("heads,d", [(1, 32), (4, 32), (1, 24), (4, 24), (1, 64), (16, 64)])
 def test_kernel_read_and_gradients_match_reference(path, backend, key_norm, normaliser, per_token, heads, d):
-    path(backend)
     shape = (2, 7, d)
     srcs = _sources(5, shape, seed=heads + d)
     g = torch.Generator().manual_seed(1)
@@ -69,9 +79,9 @@ def test_kernel_read_and_gradients_match_reference(path, backend, key_norm, norm
     kw = dict(key_norm=key_norm, normaliser=normaliser, heads=heads, eps=1e-6)
     inputs = srcs + [q] + ([gain] if key_norm else [])
 
-    want = depth_read(q, srcs, gain, **kw)
+    want = reference(q, srcs, gain, **kw)
     want_grads = torch.autograd.grad(want, inputs, grad_out)
-    got = kernels.fused_depth_read(q, srcs, gain, **kw)
+    got = fused_read(backend, q, srcs, gain, **kw)
     got_grads = torch.autograd.grad(got, inputs, grad_out)
 
     torch.testing.assert_close(got, want, **TOL)
@@ -177,38 +187,6 @@ def test_triton_knobs_of_order_change_nothing(path, monkeypatch, knob, variant, 
 
 
 @needs_triton
-@pytest.mark.parametrize("variant,folds", [("full", True), ("block_multihead", False),
-                                           pytest.param("full_input_query", True, marks=pytest.mark.slow),
-                                           pytest.param("block_no_rmsnorm", False, marks=pytest.mark.slow)])
-def test_triton_folded_rms_gradient_leaves_out_the_rms_backward(path, monkeypatch, variant, folds):
-    """FOLD_RMS_GRAD on: reads of one head with key norm fold the key norm's gradient into their
-    own backward, so the 1/rms backward kernel never runs; four heads (a row is one head) and no
-    key norm run as before. Eager and compiled (aot_eager, one graph) give the same outputs and
-    gradients as the unfolded path to 1e-5 (fp32)."""
-    from attnres.kernels import triton_kernels
-
-    calls = []
-    rms_backward = triton_kernels.inv_rms_backward
-    monkeypatch.setattr(triton_kernels, "inv_rms_backward", lambda *a: calls.append(1) or rms_backward(*a))
-    path("triton", "two_phase")
-    res = _module(variant, num_layers=4, block_size=2)
-    subs, ws = _sublayers(4)
-    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    monkeypatch.setattr(triton_kernels, "FOLD_RMS_GRAD", False)
-    want = _run(res, x, subs, ws)
-    unfolded_calls, calls[:] = len(calls), []
-    monkeypatch.setattr(triton_kernels, "FOLD_RMS_GRAD", True)
-    got = _run(res, x, subs, ws)
-    assert (unfolded_calls > 0) == (variant != "block_no_rmsnorm")
-    assert len(calls) == (0 if folds else unfolded_calls), (len(calls), unfolded_calls)
-    tol = dict(rtol=1e-5, atol=1e-5)
-    _compare(got, want, tol, f"{variant}, folded vs not")
-    torch._dynamo.reset()
-    compiled = torch.compile(res, backend="aot_eager", fullgraph=True)
-    _compare(_run(compiled, x, subs, ws), want, tol, f"{variant}, folded and compiled vs not")
-
-
-@needs_triton
 def test_backward_programs_per_sm_set_its_grid(monkeypatch):
     """BWD_PROGRAMS_PER_SM: the backward's persistent grid on a GPU is that many programs per SM,
     never more than its row tiles (the SM count stood in: no GPU here); three under the interpreter."""
@@ -265,11 +243,15 @@ def test_pointer_tables_are_kept_by_their_pointers(monkeypatch):
 
 @pytest.mark.parametrize("backend", FUSED)
 def test_kernel_single_source_and_long_source_list(path, backend):
-    path(backend)
-    for n in (1, 13):
+    """1 and 13 sources, and 70: past the 64 sources the C kernel's one-reader path takes."""
+    for n in (1, 13, 70):
         srcs = _sources(n, (3, 5, 16), seed=n)
-        q = torch.randn(16, generator=torch.Generator().manual_seed(n))
-        torch.testing.assert_close(kernels.fused_depth_read(q, srcs), depth_read(q, srcs), **TOL)
+        q = torch.randn(16, generator=torch.Generator().manual_seed(n), requires_grad=True)
+        got, want = fused_read(backend, q, srcs), reference(q, srcs)
+        torch.testing.assert_close(got, want, **TOL)
+        g = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0))
+        for a, b in zip(torch.autograd.grad(got, [q, *srcs], g), torch.autograd.grad(want, [q, *srcs], g)):
+            torch.testing.assert_close(a, b, **TOL)
 
 
 @needs_triton
@@ -277,11 +259,10 @@ def test_kernel_single_source_and_long_source_list(path, backend):
 def test_kernel_low_precision_inputs_accumulate_in_fp32(path, dtype):
     """bf16/fp16 storage, fp32 arithmetic: the result is the fp32 read of the rounded inputs,
     rounded once at the end (the Triton kernels; the C kernels read fp32 only)."""
-    path("triton")
     srcs = _sources(6, (2, 9, 32), seed=3, dtype=dtype)
     q = torch.randn(32, generator=torch.Generator().manual_seed(4))
-    got = kernels.fused_depth_read(q, srcs)
-    want = depth_read(q, [s.float() for s in srcs]).to(dtype)
+    got = fused_read("triton", q, srcs)
+    want = reference(q, [s.float() for s in srcs]).to(dtype)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 * torch.finfo(dtype).eps * want.abs().max().item())
     got.float().sum().backward()
@@ -291,37 +272,33 @@ def test_kernel_low_precision_inputs_accumulate_in_fp32(path, dtype):
 @pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("normaliser", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("heads", [1, 2])
-def test_kernel_multi_reader_phase_one_and_merge_equal_one_read(path, backend, normaliser, heads):
-    """The two kernels of Algorithm 1 at the op level: R queries read the completed sources in one
-    launch (phase 1), and continuing each state with more sources (phase 2) equals one read of all."""
-    from attnres.kernels.ops import depth_read_op, inv_rms_op
-
-    path(backend)
-
+def test_phase_one_and_merge_equal_one_read(path, backend, normaliser, heads):
+    """The two phases at the op level: R queries read the early sources at once (read_chunk), and
+    continuing each reader's read with the late sources (depth_read's state) equals one read of all,
+    outputs and gradients, on the fused path and on the reference."""
     d, N, R = 16, 11, 3
     early, late = _sources(4, (N, d), seed=5), _sources(2, (N, d), seed=6)
     Q = torch.randn(R, d, generator=torch.Generator().manual_seed(7), requires_grad=True)
-    rms = lambda xs: [inv_rms_op(x, 1e-6) for x in xs]  # noqa: E731
-    sig = normaliser == "sigmoid"
-    o, lse = depth_read_op(early, rms(early), Q, None, None, heads, sig, False, torch.float32, False)
-    outs, wants = [], []
+    kw = dict(normaliser=normaliser, heads=heads)
+    path(backend)
+    outs, lse = read_chunk(Q, early, **kw)
+    merged = torch.stack([depth_read(Q[r], late, state=(outs[r], lse[r]), **kw) for r in range(R)])
+    path("torch")
     for r in range(R):
-        h, _ = depth_read_op(late, rms(late), Q[r : r + 1], o[r : r + 1], lse[r : r + 1], heads, sig, False, torch.float32, False)
-        outs.append(h[0])
-        wants.append(depth_read(Q[r], early + late, None, normaliser=normaliser, heads=heads))
-        torch.testing.assert_close(o[r], depth_read(Q[r], early, None, normaliser=normaliser, heads=heads), **TOL)
-    torch.testing.assert_close(torch.stack(outs), torch.stack(wants), **TOL)
+        torch.testing.assert_close(outs[r], depth_read(Q[r], early, **kw), **TOL)
+    want = torch.stack([depth_read(Q[r], early + late, **kw) for r in range(R)])
+    torch.testing.assert_close(merged, want, **TOL)
     g = torch.randn(R, N, d, generator=torch.Generator().manual_seed(8))
     inputs = early + late + [Q]
-    for a, b in zip(torch.autograd.grad(torch.stack(outs), inputs, g), torch.autograd.grad(torch.stack(wants), inputs, g)):
+    for a, b in zip(torch.autograd.grad(merged, inputs, g), torch.autograd.grad(want, inputs, g)):
         torch.testing.assert_close(a, b, **TOL)
 
 
 PEAKED_CASES = {  # name: (backend, heads, scale of the query, seed): logits of tens to hundreds
     "one-reader lanes of depth_read.c": ("cpu", 1, 10.0, 0),
+    "one-reader lanes of depth_read.c, larger": ("cpu", 1, 30.0, 1),
+    "one-reader lanes of depth_read.c, saturated": ("cpu", 1, 1e6, 0),
     "tiles of depth_read.c (2 heads)": ("cpu", 2, 30.0, 3),
-    "depth_read_one.c": ("read_one", 1, 30.0, 1),
-    "depth_read_one.c, saturated": ("read_one", 1, 1e6, 0),
     "Triton": ("triton", 1, 10.0, 0),
     "Triton (2 heads)": ("triton", 2, 30.0, 0),
     "Triton, dq pass toggled": ("triton_dq_toggled", 1, 10.0, 0),
@@ -338,13 +315,9 @@ def test_gradients_through_a_peaked_softmax_are_as_precise_as_the_pytorch_paths(
     float64). The kernels recompute the weights as e^(t − lse) from the forward's fp32 lse; they
     must lose no more than the PyTorch path: for each input's gradient (sources, query, key-norm
     gain), fp32, error against float64 at most 2 × the PyTorch path's + 1e-6 of the largest
-    gradient. They were 10× (C one-reader lanes, and
-    Triton), 140× (C tiles; Triton 8×) and 13× (depth_read_one.c) the PyTorch path's error:
-    weights that do not sum to 1 in Δ = Σ α g·v, or Δ = g·out, which does not cancel g·v of the
-    heaviest source; saturated, 2e5×: depth_read_one.c's forward rounded its scores differently
-    from its backward."""
-    from attnres.kernels import ops
-
+    gradient. Weights that do not sum to 1 in Δ = Σ α g·v, or Δ = g·out (which does not cancel
+    g·v of the heaviest source), or scores rounded differently forward and backward, once made
+    the kernels' error 10× to 2e5× the PyTorch path's."""
     backend, heads, scale, seed = PEAKED_CASES[case]
     g = torch.Generator().manual_seed(seed)
     d, n = 12, 5
@@ -357,22 +330,18 @@ def test_gradients_through_a_peaked_softmax_are_as_precise_as_the_pytorch_paths(
         x = [t.to(dtype).requires_grad_() for t in (*us, q, gain)]
         return torch.autograd.grad(read(x[:n], x[n], x[n + 1]), x, grad.to(dtype))
 
-    def reference(s, q, gain):
-        return depth_read(q, s, gain, heads=heads)
+    def on_reference(s, q, gain):
+        return reference(q, s, gain, heads=heads)
 
     def kernel(s, q, gain):
-        if backend != "read_one":
-            return kernels.fused_depth_read(q, s, gain, heads=heads)
-        flat = [u.reshape(-1, d) for u in s]
-        return ops.read_one(flat, q * gain, None, None, 1e-6, True, False).view(2, 3, d)
+        return fused_read("triton" if backend.startswith("triton") else backend, q, s, gain, heads=heads)
 
-    exact = gradients(reference, torch.float64)
-    pytorch = gradients(reference, torch.float32)
+    exact = gradients(on_reference, torch.float64)
+    pytorch = gradients(on_reference, torch.float32)
     if backend == "triton_dq_toggled":
         from attnres.kernels import triton_kernels
 
         monkeypatch.setattr(triton_kernels, "BWD_DQ_SECOND_PASS", not triton_kernels.BWD_DQ_SECOND_PASS)
-    path({"read_one": "cpu", "triton_dq_toggled": "triton"}.get(backend, backend))
     got = gradients(kernel, torch.float32)
     floor = 1e-6 * max(e.abs().max().item() for e in exact)
     names = [f"source {i}" for i in range(n)] + ["query", "key-norm gain"]
@@ -505,29 +474,36 @@ def test_fused_full_over_several_chunks_matches_torch_path(path, backend, varian
 @pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("variant", ["block", "full"])
 def test_fused_path_with_autocast_style_mixed_types(path, backend, variant):
-    """fp32 embedding, bf16 sublayer outputs (what autocast produces): the Triton kernels store the
-    sources in bf16, the C kernels in fp32; both agree with the PyTorch path to bf16 precision."""
+    """fp32 embedding, bf16 sublayer outputs (what autocast produces): the Triton kernels read the
+    sources in bf16; the C kernels take fp32 only, so on CPU auto leaves reads of mixed types to the
+    reference (and a forced "cpu" refuses them in one line); both agree with the PyTorch path to
+    bf16 precision."""
     x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0))
     subs, _ = _sublayers(L)
     subs = [lambda h, f=f: f(h).to(torch.bfloat16) for f in subs]
     res = _module(variant)
     path("torch", "per_read")
     want = res(x, subs)
-    path(backend, "two_phase")
+    if backend == "cpu":
+        path("cpu", "two_phase")
+        with pytest.raises(RuntimeError, match="ATTNRES_KERNEL=cpu"):
+            res(x, subs)
+    path(None if backend == "cpu" else backend, "two_phase")
     got = res(x, subs)
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_torch_path_matches_reference_reads_with_weights(path):
-    """Recording the depth weights never changes the output, on either schedule."""
+    """Recording the depth weights (which reads one sublayer at a time, on the reference) changes
+    the output by rounding at most: 1e-6 on either schedule, fp32; the weights sum to 1."""
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0))
     subs, _ = _sublayers(L)
     for schedule in ("per_read", "two_phase"):
         path("torch", schedule)
         res = _module("block")
         out, w = res(x, subs, return_weights=True)
-        torch.testing.assert_close(out, res(x, subs), rtol=0, atol=0)
+        torch.testing.assert_close(out, res(x, subs), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), rtol=0, atol=1e-5)
 
 
@@ -573,14 +549,19 @@ def test_paths_trace_with_torch_compile(path, backend, variant):
     x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
     want = _run(res, x, subs, ws)
     compiled = torch.compile(res, backend="aot_eager", fullgraph=True)
-    # The same kernels give the same numbers to 1e-6 (fp32); on the C path the eager merges run
-    # csrc/depth_read_one.c and the traced ones the general read's custom op: fp32 rounding, 1e-5.
-    tol = dict(rtol=1e-5, atol=1e-5) if backend == "cpu" else dict(rtol=1e-6, atol=1e-6)
+    tol = dict(rtol=1e-6, atol=1e-6)  # the same kernels (fp32)
     _compare(_run(compiled, x, subs, ws), want, tol, f"compiled {backend} path, {variant}")
     # Without grad too (an evaluation of a compiled model): Dynamo then inlines an
     # autograd.Function's forward, and once read its arguments shifted by one (a graph break).
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, subs), want[0], **tol)
+
+
+def test_the_pointer_table_reads_stay_out_of_cuda_graphs():
+    """The read ops copy a host-built pointer table at each call, which a CUDA graph cannot
+    capture: they carry the tag that makes torch.compile's CUDA-graph modes leave them out."""
+    for op in (torch.ops.attnres.depth_read.default, torch.ops.attnres.depth_read_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op
 
 
 def test_a_compiled_residual_recompiles_once_for_new_sequence_lengths(path):
@@ -603,13 +584,6 @@ def test_a_compiled_residual_recompiles_once_for_new_sequence_lengths(path):
             compiled(x, subs)
     # with and without grad (another graph each): the static one, then the dynamic one
     assert counter.frame_count == 4, f"{counter.frame_count} compilations for 3 sequence lengths"
-
-
-def test_the_pointer_table_reads_stay_out_of_cuda_graphs():
-    """The read ops copy a host-built pointer table at each call, which a CUDA graph cannot
-    capture: they carry the tag that makes torch.compile's CUDA-graph modes leave them out."""
-    for op in (torch.ops.attnres.depth_read.default, torch.ops.attnres.depth_read_backward.default):
-        assert torch.Tag.cudagraph_unsafe in op.tags, op
 
 
 def test_core_imports_and_trains_without_triton():
@@ -645,13 +619,12 @@ def test_heads_that_do_not_divide_d_are_refused_in_one_line(path, backend, heads
     error deep inside the read."""
     path("torch" if backend == "reference" else backend)
     srcs = _sources(2, (1, 3, 12), seed=0)
-    read = depth_read if backend == "reference" else kernels.fused_depth_read
-    with pytest.raises(ValueError, match=f"^heads={heads} must be a positive divisor of d_model=12$"):
-        read(torch.zeros(12), srcs, heads=heads)
+    with pytest.raises(ValueError, match="heads"):
+        depth_read(torch.zeros(12), srcs, heads=heads)
 
 
 def test_backend_names_are_checked():
     with pytest.raises(ValueError, match="allowed: auto, triton, cpu, torch"):
         kernels.set_backend("cuda")
-    with pytest.raises(ValueError, match="allowed: two_phase, per_read"):
+    with pytest.raises(ValueError, match="allowed: auto, two_phase, per_read"):
         kernels.set_schedule("fast")

@@ -1,43 +1,19 @@
-"""RMSNorm through one C kernel each way (csrc/rms_norm.c) for fp32 CPU tensors in eager mode.
-
-The math is torch.nn.RMSNorm's: y = x · (mean x² + eps)^(-1/2) ∘ w. `attnres.layers.RMSNorm`
-(every sublayer's PreNorm and the model's final norm, in every residual variant, the baseline
-included) runs it where the C kernels serve (`kernels.c_kernels_chosen`: backend auto or cpu,
-fp32 CPU tensors outside autocast, not under torch.compile, where Inductor fuses torch's own), and
-torch's RMSNorm everywhere else. Why: torch's CPU RMSNorm is a chain of elementwise ops and
-reductions, ~470 µs for one forward and backward at the default model's shape (2048 tokens,
-d 64), and a step of the default model runs 33 of them (benchmarks/RESULTS.md, fourteenth pass).
-"""
+"""RMSNorm through one C kernel each way (csrc/rms_norm.c), torch.nn.RMSNorm's math, for
+`attnres.layers.RMSNorm` where the C kernels serve (fp32 CPU tensors in eager mode): torch's CPU
+RMSNorm is a chain of small ops, and a training step runs one per sublayer, forward and backward."""
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
 
 from . import native
+from .native import F32, I64, INT, P
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-
-_SIGNATURES = {
-    "attnres_rms_norm_forward": [_P, _P, _P, _P, _I64, _INT, ctypes.c_float, _INT],
-    "attnres_rms_norm_backward": [_P, _P, _P, _P, _P, _P, _I64, _INT, _INT],
-}
-
-
-def available() -> bool:
-    """Whether csrc/rms_norm.c builds and loads here (built on the first call)."""
-    return native.bind("rms_norm", _SIGNATURES) is not None
-
-
-def why_unavailable() -> Optional[str]:
-    return native.why_unavailable("rms_norm")
-
-
-def _need():
-    return native.require("rms_norm", _SIGNATURES, "RMSNorm")
+native.declare({
+    "attnres_rms_norm_forward": [P, P, P, P, I64, INT, F32, INT],
+    "attnres_rms_norm_backward": [P, P, P, P, P, P, I64, INT, INT],
+})
 
 
 class _CRMSNorm(torch.autograd.Function):
@@ -49,8 +25,8 @@ class _CRMSNorm(torch.autograd.Function):
         N = rows.shape[0]
         y = torch.empty_like(rows)
         rho = torch.empty(N, dtype=torch.float32)
-        _need().attnres_rms_norm_forward(rows.data_ptr(), native.ptr(weight), y.data_ptr(), rho.data_ptr(), N, d, eps,
-                                          native.threads(N))
+        native.call("attnres_rms_norm_forward", rows.data_ptr(), native.ptr(weight), y.data_ptr(), rho.data_ptr(), N, d,
+                    eps, native.threads(N))
         ctx.save_for_backward(x, rho, weight)  # x, not rows: an input keeps its history for create_graph
         ctx.eps = eps
         return y.view(x.shape)
@@ -66,12 +42,8 @@ class _CRMSNorm(torch.autograd.Function):
         dx = torch.empty_like(rows)
         want_dw = weight is not None and ctx.needs_input_grad[1]
         dw = torch.empty(d, dtype=torch.float32) if want_dw else None
-        status = _need().attnres_rms_norm_backward(
-            rows.data_ptr(), native.ptr(weight), rho.data_ptr(), g.data_ptr(), dx.data_ptr(),
-            native.ptr(dw), N, d, native.threads(N),
-        )
-        if status:
-            raise MemoryError("RMSNorm backward: out of memory for the gain gradient's accumulators")
+        native.call("attnres_rms_norm_backward", rows.data_ptr(), native.ptr(weight), rho.data_ptr(), g.data_ptr(),
+                    dx.data_ptr(), native.ptr(dw), N, d, native.threads(N))
         return dx.view(x.shape), dw, None
 
 

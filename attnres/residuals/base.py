@@ -85,16 +85,23 @@ class Residual(nn.Module):
     def forward(self, embedding, sublayers, return_weights: bool = False, **kwargs):
         """Run `sublayers` over the residual stream that starts at `embedding`.
 
-        embedding: a floating-point tensor (..., d_model), e.g. (batch, tokens, d_model), on the
-        device of this module. sublayers: num_layers callables h -> f(h) in order (a list or
-        nn.ModuleList; attention and MLP are two): each applies its own PreNorm, returns a tensor
-        of h's shape and never adds h back (the residual decides how outputs combine). Keyword
-        arguments (masks) reach every sublayer. Or `residual(encoder, src, mask=…,
+        embedding: a floating-point tensor (..., d_model) on this module's device. sublayers:
+        num_layers callables h -> f(h) in order (a list or nn.ModuleList; attention and MLP count
+        apart), each applying its own PreNorm, returning a tensor of h's shape and never adding h
+        back. Keyword arguments (masks) reach every sublayer. Or `residual(encoder, src, mask=…,
         src_key_padding_mask=…, is_causal=…)` for an nn.TransformerEncoder of norm_first layers.
-        Returns the hidden state (..., d_model) for your final norm (not normalised here) and, with
-        return_weights=True for attention residuals, the depth weights (num_layers + 1 readers,
-        ..., columns): rows the sublayers then the output read, zeros where a source is not
-        visible (`visibility()`)."""
+        Returns the hidden state (..., d_model) for your final norm and, with return_weights=True
+        for attention residuals, the depth weights (num_layers + 1 readers, ..., columns): the
+        sublayers then the output read, zeros where a source is not visible (`visibility()`)."""
+        embedding, sublayers = self.arguments(embedding, sublayers, kwargs)
+        want_weights = return_weights or (self.recorder is not None and self.has_depth_weights)
+        out, weights = self.stream(embedding, sublayers, want_weights)
+        if self.recorder is not None and weights is not None:
+            self.recorder.depth_weights(weights, self.visibility())
+        return (out, weights) if return_weights else out
+
+    def arguments(self, embedding, sublayers, kwargs):
+        """The two call forms as (embedding, checked sublayers), or one ValueError naming what is wrong."""
         if isinstance(embedding, nn.TransformerEncoder):
             embedding, sublayers = sublayers, encoder_sublayers(embedding, **kwargs)
         else:
@@ -104,9 +111,7 @@ class Residual(nn.Module):
             if torch.is_tensor(sublayers) or not hasattr(sublayers, "__iter__"):
                 raise ValueError(f"sublayers must be a list or nn.ModuleList of callables h -> f(h), got a "
                                  f"{type(sublayers).__name__}; call residual(embedding, sublayers)")
-            sublayers = list(sublayers)
-            if kwargs:
-                sublayers = [functools.partial(f, **kwargs) for f in sublayers]
+            sublayers = [functools.partial(f, **kwargs) for f in sublayers] if kwargs else list(sublayers)
         if not torch.is_tensor(embedding) or not embedding.is_floating_point() or embedding.dim() == 0:
             got = f"{embedding.dtype} tensor of shape {tuple(embedding.shape)}" if torch.is_tensor(embedding) else type(embedding).__name__
             hint = " (token ids go through your embedding layer first)" if torch.is_tensor(embedding) and not embedding.is_floating_point() else ""
@@ -121,12 +126,7 @@ class Residual(nn.Module):
             raise ValueError(f"embedding is on {embedding.device} but the residual's parameters are on {param.device}; "
                              f"move the residual with .to({str(embedding.device)!r}) (from the meta device: .to_empty(device=…) "
                              "then reset_parameters()), or the embedding to its device")
-        want_weights = return_weights or (self.recorder is not None and self.has_depth_weights)
-        checked = [_shape_checked(i, f) for i, f in enumerate(sublayers)]
-        out, weights = self.stream(embedding, checked, want_weights)
-        if self.recorder is not None and weights is not None:
-            self.recorder.depth_weights(weights, self.visibility())
-        return (out, weights) if return_weights else out
+        return embedding, [_shape_checked(i, f) for i, f in enumerate(sublayers)]
 
     def stream(self, embedding: torch.Tensor, sublayers: Sequence[SublayerFn], want_weights: bool):
         """Run the sublayers; return (hidden state for the final norm, weights or None)."""

@@ -1,49 +1,25 @@
-/* One depth read on the CPU, forward and backward: the C counterpart of triton_kernels.py, one
- * function per direction, any number of readers at once (same math, same arguments, fp32).
+/* One depth read on the CPU, forward and backward, fp32: the C counterpart of triton_kernels.py,
+ * any number of readers at once.
  *
  *     s_ri = (q_r · v_i) · ρ_i       ρ_i = 1/rms(v_i) (1 without key norm)
  *     t_ri = s_ri (softmax)  or  log σ(s_ri) (sigmoid, renormalised)
  *     out_r = Σ_i softmax_i(t_ri) v_i,   lse_r = log Σ_i exp(t_ri)
  *
- * plus an optional initial state (o0, lse0) per reader, a pseudo-source with a given logit: the
- * phase-2 merge of the paper's Algorithm 1. With H heads the d channels split into H groups of
- * W = d/H, each with its own softmax over sources (one rms per token, shared by the groups).
+ * plus an optional running read (o0, lse0) per reader, a pseudo-source with a given logit: the
+ * two-phase schedule's merge. With H heads the d channels split into H groups of W = d/H, each
+ * with its own softmax over sources (one rms per token, shared by the groups).
  *
- * Design decisions:
- * - Tiles of TT tokens, sources in the inner-outer loop: within a tile each source is one
- *   contiguous TT·d run (what hardware prefetchers follow; a token-at-a-time loop over many
- *   sources was latency-bound on a CPU), and the tile's slices of all sources stay in L1/L2 while
- *   all R readers score and mix them: each source streams from memory once per call, forward and
- *   backward; nothing of size (tokens × d) is written except the outputs themselves.
- * - Two passes over the cache-resident tile instead of an online softmax (no rescaling). A tile's
- *   logits are laid out [source][token·reader·head], so the max, the exponentials, the sums and
- *   the normalisation each run over whole vectors.
- * - At d_model 64 a read is bound by instructions, not memory, so the inner loops are blocked
- *   for registers (AVX-512, where the compiler targets it; plain loops otherwise): dot products
- *   are reduced four at a time (row_dots, dot_batch), heads narrower than 16 channels share one
- *   16-lane product (head_dots), and every weighted sum of rows (the output, each source's
- *   gradient, the static query's gradient) accumulates 4 rows × 64 channels in registers over
- *   all its terms and is stored once (mix_rows). Outputs and incoming gradients are one pointer
- *   per reader, so each reader's output can be a tensor of its own.
- * - A read with one reader and one head (every phase-2 merge, the output read, per-token queries)
- *   takes its own path, read_one_forward/backward: 16 tokens in the lanes of the softmax instead
- *   of the tile layout, whose bookkeeping outweighed a merge's arithmetic (isolated, 2048 tokens,
- *   d 64: a merge 62 → 40 µs forward and 142 → 75 µs backward; 33 per-token sources 0.9 → 0.6
- *   and 4.1 → 2.5 ms).
- * - The backward recomputes the scores from the sources and the saved lse (weights are never
- *   stored; divided by their sum, see normalise_lanes) and knows Δ = g·out − g_lse before it writes anything, so the query gradient is
- *   accumulated directly (no cancellation trick needed, unlike the Triton kernel). A merge's
- *   backward takes g·out from its own output rather than its initial state (see below), so
- *   phase-1 outputs need not outlive the forward.
- * - With fold_rms, the key norm's gradient is added into each source's gradient here, so 1/rms
- *   needs no autograd node of its own.
- * - The static-query gradient is summed over a tile in float and flushed into double per tile:
- *   fp32 arithmetic, no drift over long sequences.
- * - Each call handles a token range [t0, t1) and adds its query gradient into its own buffer;
- *   the *_ranges entry points run several ranges on OpenMP threads (torch's, see native.py).
- * - Vector-friendly math (own exp/log, no fminf/fmaxf) from vector_math.h; rows are prefetched a
- *   tile ahead, the rows to be written too (prefetch_write).
- * Pointers are raw; shapes and contiguity are checked by the Python wrapper (cpu_kernels.py).
+ * Two inner paths, one entry point per direction:
+ * - one reader and one head (merges, the output read, per-sublayer reads): 16 tokens in the lanes
+ *   of a vector, 1/rms computed in the same sweep as the scores (one_forward/one_backward);
+ * - otherwise tiles of TT tokens, sources streamed once per call for all R readers, 1/rms given
+ *   by the caller; dot products reduced four at a time and weighted sums blocked in registers
+ *   (AVX-512 where the compiler targets it), since at small d a read is bound by instructions.
+ * Both recompute the weights in the backward from the saved lse, divided by their sum (see
+ * normalise_lanes), add the key norm's gradient into the sources' (fold_rms), and sum a static
+ * query's gradient per tile in float, then per range in double (a given thread count always gives
+ * the same result). A merge's backward takes its own output (Δ = g·out), not the running read.
+ * Pointers are raw; shapes and contiguity are checked by the Python wrapper (cpu_read.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -66,9 +42,7 @@ static inline void prefetch_row(const float *row, int d) {
 }
 
 /* The same for a row about to be written: a store to a line that is not in cache waits for the
- * line to be read first, and a read's outputs and gradients are fresh allocations, in a training
- * step mostly out of cache (in a step, a phase-1 forward 20% shorter; the same in the merges of
- * depth_read_one.c measured no gain, and is not there). */
+ * line to be read first, and a read's outputs and gradients are fresh allocations. */
 static inline void prefetch_write(float *row, int d) {
     for (int c = 0; c < d; c += 16) __builtin_prefetch(row + c, 1, 1);
 }
@@ -308,16 +282,7 @@ static void gather_rows(const float *x, float *dst, i64 N, i64 ta, int T, int R,
             for (int h = 0; h < H; h++) dst[(u * R + r) * H + h] = x[((i64)r * N + ta + u) * H + h];
 }
 
-/* ---- one reader, one head: 16 tokens in the lanes --------------------------------------------------
- * A phase-2 merge (and any read with R·H = 1: the output read, per-token queries) has one softmax
- * per token, so the tile layout above holds one entry per token and source, and its bookkeeping
- * (per-tile gathers, 64-token arrays walked once per step of the softmax) cost more than the
- * arithmetic: a merge ran at a quarter of the speed of an elementwise op that moves the same
- * bytes. Here 16 tokens form a group: their scores are the 16 lanes of one vector per source, the
- * softmax is a few vector operations, and each token's output (or gradient) rows are mixed in
- * registers right after their scores (mix_rows), while the group's rows are still in L1. */
-#define G LANES /* vector_math.h */
-
+/* ---- shared by both paths ---------------------------------------------------------------------- */
 /* The recomputed weights α_i = e^(t_i − lse) (n rows of m lanes; a0: the initial state's, or
  * NULL), divided by their sum. In exact arithmetic the sum is 1; in fp32 it is off by about
  * |lse|·2⁻²⁴, because lse is rounded to a float, and every gradient through a nearly one-hot
@@ -343,180 +308,257 @@ static inline void normalise_lanes(float *restrict A, int n, int m, float *restr
     }
 }
 
-/* Lanes past the end of a short last group read the group's last token: they stay finite, and
- * nothing is written for them. */
-static inline i64 lane_token(i64 ta, int u, int T) { return ta + (u < T ? u : T - 1); }
 
-static void read_one_forward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
-                             const float *o0, const float *lse0, float *out, float *lse, int d, int use_sigmoid,
-                             i64 t0, i64 t1, float *S /* n·G: logits, then weights */) {
-    float m[G], a0[G];
-    const float *xs[n > 0 ? n : 1];
-    for (i64 ta = t0; ta < t1; ta += G) {
-        const int T = (int)(t1 - ta < G ? t1 - ta : G);
-        if (o0 && ta + 3 * G < t1)
-            for (int u = 0; u < G; u++) prefetch_row(o0 + (ta + 2 * G + u) * d, d);
-        for (int i = 0; i < n; i++) {
-            dot_batch bt = {.m = 0, .out = S + i * G};
-            for (int u = 0; u < G; u++) {
-                const i64 t = lane_token(ta, u, T);
-                const float *v = srcs[i] + t * d;
-                if (ta + 3 * G < t1) prefetch_row(v + 2 * G * d, d);
-                batch_push(&bt, per_token ? q + t * d : q, v, d);
-            }
-            batch_flush(&bt, d);
-            if (rms)
-                for (int u = 0; u < G; u++) S[i * G + u] *= rms[i][lane_token(ta, u, T)];
-        }
-        if (use_sigmoid)
-            for (int j = 0; j < n * G; j++) S[j] = log_sigmoid(S[j]);
-        for (int u = 0; u < G; u++) m[u] = o0 ? lse0[lane_token(ta, u, T)] : -INFINITY; /* then the lse */
-        lane_softmax(S, n, m, a0);
-        for (int u = 0; u < T; u++) {
-            const i64 t = ta + u;
-            lse[t] = m[u];
-            for (int i = 0; i < n; i++) xs[i] = srcs[i] + t * d;
-            float *row = out + t * d;
-            const float *base = o0 ? o0 + t * d : NULL;
-            mix_rows(&row, 1, xs, n, S + u, G, 0, d, 1, o0 ? a0 + u : NULL, o0 ? &base : NULL);
-        }
-    }
+/* ---- one reader, one head: 16 tokens in the lanes ---------------------------------------------------
+ * A read of one reader and one head (every two-phase merge, the output read, every read of the
+ * per-read schedule) has one softmax per token: 16 tokens form a group, their scores the 16 lanes
+ * of one vector per source. Pass 1 sweeps each token's rows once and takes all its sums at once
+ * (u·u, q·u; backward also g·u, and g·out for a merge), so 1/rms comes from the same sweep instead
+ * of an input; pass 2 runs the softmax and every per-token coefficient over the lanes; pass 3
+ * writes each output row once, while the group's rows are still in L1. */
+#define G LANES /* tokens per group: the lanes of pass 2 (vector_math.h) */
+#define MAX_SOURCES 64 /* bound of the per-group tables on the stack; the entry points check it */
+
+/* Ask for a row two groups ahead: within a group the loop jumps between n + 1 tensors every
+ * row, runs too short for the hardware prefetcher to follow. */
+static inline void prefetch_ahead(const float *row, int d, i64 t, i64 t1) {
+    if (t + 2 * G < t1)
+        for (int c = 0; c < d; c += 16) __builtin_prefetch(row + 2 * G * d + c, 0, 1);
 }
 
-/* The backward of read_one_forward: the same formulas as attnres_read_backward (see there) with
- * R = H = 1, lanes over tokens. scratch: (5·n)·G + d + n floats. */
-static void read_one_backward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
-                              const float *out, const float *lse0, const float *lse, const float *g, const float *glse,
-                              float *const *dsrc, float *const *drms, float *dq_tok, double *dq_static, float *do0,
-                              float *dlse0, int d, int use_sigmoid, int fold_rms, i64 t0, i64 t1, float *scratch) {
-    const int nG = n * G;
-    float *A = scratch;     /* α per (source, lane); B follows it: mix_rows reads both as one table */
-    float *B = A + nG;      /* g·v, then dL/ds, then K = dL/ds·ρ */
-    float *QV = B + nG;     /* q·v */
-    float *SG = QV + nG;    /* σ(−s) for the sigmoid normaliser */
-    float *RHO = SG + nG;   /* ρ, then the key norm's coefficient −dρ·ρ³/d (fold_rms) */
-    float *dq_group = RHO + nG; /* static query gradient of the group (d) */
-    float *FCu = dq_group + d;  /* one token's key-norm coefficients (n) */
-    float delta[G], a0[G], Lg[G], GO[G], a0b0[G];
-    const float *xs[2], *vs[n > 0 ? n : 1], *xall[nG > 0 ? nG : 1];
-    float *rows[n > 0 ? n : 1];
-    const int fold = fold_rms && rms;
+/* The score s = (q·u)·ρ of one row and its ρ = 1/rms(u) (1 without key norm), one function for
+ * the forward and the backward so that both round it the same way, to the bit: the backward's
+ * weights e^(t − lse) take t from its own scores and lse from the forward's, so a score rounded
+ * differently (another order of the sums, a division instead of a product) shifts its weight by
+ * that rounding error times |s| (6e-2 relative at |s| ~ 1e6, 1e-2 in the query's gradient at
+ * |s| ~ 200). */
+static inline __attribute__((always_inline)) float row_score(const float *restrict x, const float *restrict qt,
+                                                              int d, float eps, int key_norm, float *rho) {
+    float xx = 0.f, qx = 0.f;
+#pragma omp simd reduction(+ : xx, qx)
+    for (int c = 0; c < d; c++) {
+        xx += x[c] * x[c];
+        qx += qt[c] * x[c];
+    }
+    *rho = key_norm ? 1.f / sqrtf(xx / d + eps) : 1.f;
+    return qx * *rho;
+}
+
+static inline __attribute__((always_inline)) void one_forward_body(
+    const float *const *u, int n, const float *restrict q, int per_token, const float *restrict o0,
+    const float *restrict lse0, float *restrict out, float *restrict lse, int d, float eps, int key_norm,
+    int use_sigmoid, i64 t0, i64 t1) {
+    float S[MAX_SOURCES * G]; /* per (source, lane): score, then weight */
+    float A0[G], L[G];
     for (i64 ta = t0; ta < t1; ta += G) {
         const int T = (int)(t1 - ta < G ? t1 - ta : G);
-        for (int i = 0; i < n; i++) {
-            dot_batch bq = {.m = 0, .out = QV + i * G}, bg = {.m = 0, .out = B + i * G};
-            for (int u = 0; u < G; u++) {
-                const i64 t = lane_token(ta, u, T);
-                const float *v = srcs[i] + t * d;
-                if (ta + 3 * G < t1) {
-                    prefetch_row(v + 2 * G * d, d);
-                    if (i == 0) prefetch_row(g + (t + 2 * G) * d, d);
-                }
-                batch_push(&bq, per_token ? q + t * d : q, v, d);
-                batch_push(&bg, g + t * d, v, d);
-            }
-            batch_flush(&bq, d);
-            batch_flush(&bg, d);
-            for (int u = 0; u < G; u++) {
-                RHO[i * G + u] = rms ? rms[i][lane_token(ta, u, T)] : 1.f;
-                A[i * G + u] = QV[i * G + u] * RHO[i * G + u];
-            }
-        }
-        if (use_sigmoid) {
-#pragma omp simd
-            for (int j = 0; j < nG; j++) SG[j] = 1.f / (1.f + exp_f(A[j]));
-            for (int j = 0; j < nG; j++) A[j] = log_sigmoid(A[j]);
-        }
-        for (int u = 0; u < G; u++) {
-            Lg[u] = lse[lane_token(ta, u, T)];
-            delta[u] = 0.f;
-        }
-        for (int i = 0; i < n; i++) {
-#pragma omp simd
-            for (int u = 0; u < G; u++) A[i * G + u] = exp_f(A[i * G + u] - Lg[u]);
-        }
-        if (out)
-            for (int u = 0; u < G; u++) a0[u] = exp_f(lse0[lane_token(ta, u, T)] - Lg[u]);
-        normalise_lanes(A, n, G, out ? a0 : NULL);
-        for (int i = 0; i < n; i++) {
-#pragma omp simd
-            for (int u = 0; u < G; u++) delta[u] += A[i * G + u] * B[i * G + u];
-        }
-        if (out) { /* a merge: Δ = g·out, and a0·(g·o0) = g·out − Σ α b (see attnres_read_backward) */
-            dot_batch bo = {.m = 0, .out = GO};
-            for (int u = 0; u < G; u++) {
-                const i64 t = lane_token(ta, u, T);
-                if (ta + 3 * G < t1) prefetch_row(out + (t + 2 * G) * d, d);
-                batch_push(&bo, g + t * d, out + t * d, d);
-            }
-            batch_flush(&bo, d);
-#pragma omp simd
-            for (int u = 0; u < G; u++) {
-                a0b0[u] = GO[u] - delta[u];
-                delta[u] = GO[u];
-            }
-        }
-        if (glse)
-            for (int u = 0; u < G; u++) delta[u] -= glse[lane_token(ta, u, T)];
-        if (out)
-            for (int u = 0; u < T; u++) dlse0[ta + u] = a0b0[u] - a0[u] * delta[u];
-        for (int i = 0; i < n; i++) {
-            float *Bi = B + i * G;
-            const float *Ai = A + i * G, *SGi = SG + i * G, *QVi = QV + i * G;
-            float *Ri = RHO + i * G;
-            float drho[G];
-#pragma omp simd
-            for (int u = 0; u < G; u++) {
-                float k = Ai[u] * (Bi[u] - delta[u]);
-                k = use_sigmoid ? k * SGi[u] : k;
-                drho[u] = k * QVi[u];
-                Bi[u] = u < T ? k * Ri[u] : 0.f; /* idle lanes add nothing to the query's gradient */
-                Ri[u] = -drho[u] * Ri[u] * Ri[u] * Ri[u] / d;
-            }
-            if (rms && !fold)
-                for (int u = 0; u < T; u++) drms[i][ta + u] = drho[u];
-        }
-        /* rows: do0 = a0·g; dv_i = α_i·g + K_i·q (+ the key norm's term), each written once */
-        for (int u = 0; u < T; u++) {
-            const i64 t = ta + u;
-            const float *gt = g + t * d;
-            if (out) {
-                float *o = do0 + t * d;
-                const float a = a0[u];
-#pragma omp simd
-                for (int c = 0; c < d; c++) o[c] = a * gt[c];
-            }
-            xs[0] = gt;
-            xs[1] = per_token ? q + t * d : q;
+        for (int k = 0; k < T; k++) { /* pass 1: sums per row */
+            const i64 t = ta + k;
+            const float *restrict qt = per_token ? q + t * d : q;
+            if (o0) prefetch_ahead(o0 + t * d, d, t, t1);
+            if (per_token) prefetch_ahead(qt, d, t, t1);
             for (int i = 0; i < n; i++) {
-                rows[i] = dsrc[i] + t * d;
-                vs[i] = srcs[i] + t * d;
-                FCu[i] = RHO[i * G + u];
+                const float *restrict x = u[i] + t * d;
+                prefetch_ahead(x, d, t, t1);
+                float rho;
+                S[i * G + k] = row_score(x, qt, d, eps, key_norm, &rho);
             }
-            mix_rows(rows, n, xs, 2, A + u, nG, G, d, 1, fold ? FCu : NULL, fold ? vs : NULL);
-            if (per_token) {
-                float *row = dq_tok + t * d;
-                mix_rows(&row, 1, vs, n, B + u, G, 0, d, 1, NULL, NULL);
-            }
+            L[k] = o0 ? lse0[t] : -INFINITY; /* no running read: its weight is e^−∞ = 0 */
         }
-        if (!per_token) { /* Σ over the group's (source, token) of K·v, then into double */
-            for (int i = 0; i < n; i++)
-                for (int u = 0; u < G; u++) xall[i * G + u] = srcs[i] + lane_token(ta, u, T) * d;
-            mix_rows(&dq_group, 1, xall, nG, B, 1, 0, d, 1, NULL, NULL);
-            for (int c = 0; c < d; c++) dq_static[c] += dq_group[c];
+        for (int k = T; k < G; k++) { /* idle lanes: finite, never written out */
+            for (int i = 0; i < n; i++) S[i * G + k] = 0.f;
+            L[k] = o0 ? 0.f : -INFINITY;
+        }
+        if (use_sigmoid) /* σ_i / (e^lse0 + Σ σ_j) = softmax over (lse0, log σ_i) */
+            for (int j = 0; j < n * G; j++) S[j] = log_sigmoid(S[j]);
+        lane_softmax(S, n, L, A0);
+        for (int k = 0; k < T; k++) { /* pass 3: each output row once */
+            const i64 t = ta + k;
+            float *restrict y = out + t * d;
+            const float *restrict x0 = o0 ? o0 + t * d : u[0] + t * d; /* the first term */
+            const float a0 = o0 ? A0[k] : S[k];
+#pragma omp simd
+            for (int c = 0; c < d; c++) y[c] = a0 * x0[c];
+            for (int i = o0 ? 0 : 1; i < n; i++) {
+                const float a = S[i * G + k];
+                const float *restrict x = u[i] + t * d;
+#pragma omp simd
+                for (int c = 0; c < d; c++) y[c] += a * x[c];
+            }
+            lse[t] = L[k];
         }
     }
 }
 
-/* Forward. srcs: n pointers to (N, d); rms: n pointers to (N,) or NULL (raw keys); q: (R, d)
- * static queries, or (N, d) per token (R = 1); o0 (R, N, d) and lse0 (R, N, H), or NULL;
- * out: R pointers to (N, d) (one tensor per reader), lse (R, N, H). scratch: TT·(n + 3)·R·H floats.
- * Returns 0. */
+/* The gradients, with α_i ∝ e^(t_i − lse), α0 ∝ e^(lse0 − lse) (normalised), Δ = g·out (a plain
+ * read: Σ α_i g·u_i) and no gradient into lse (a merge's lse is not an output of the model); per
+ * token, q_t for q and dq_t for dq:
+ *     dt_i = α_i (g·u_i − Δ)     ds_i = dt_i (softmax) or dt_i σ(−s_i) (sigmoid)
+ *     du_i = α_i g + ds_i ρ_i q − ds_i s_i ρ_i² u_i / d     (the last term: the key norm's)
+ *     dq = Σ_t Σ_i ds_i ρ_i u_i     do0 = α0 g     dlse0 = −Σ_i dt_i  (= α0 (g·o0 − Δ))
+ */
+static inline __attribute__((always_inline)) void one_backward_body(
+    const float *const *u, int n, const float *restrict q, int per_token, const float *restrict out,
+    const float *restrict lse0, const float *restrict lse, const float *restrict g, float *const *du,
+    double *restrict dq, float *restrict dq_tok, float *restrict do0, float *restrict dlse0, int d, float eps,
+    int key_norm, int use_sigmoid, i64 t0, i64 t1, float *restrict dq_group) {
+    float S[MAX_SOURCES * G];  /* score s, then α */
+    float GU[MAX_SOURCES * G]; /* g·u, then ds·ρ (the coefficient of q) */
+    float RH[MAX_SOURCES * G]; /* ρ, then −ds·s·ρ²/d (the coefficient of u) */
+    float E[MAX_SOURCES * G]; /* e^(t − lse) */
+    float GO[G], L[G], A0[G], DL0[G], Z[G];
+    for (i64 ta = t0; ta < t1; ta += G) {
+        const int T = (int)(t1 - ta < G ? t1 - ta : G);
+        for (int k = 0; k < T; k++) { /* pass 1: sums per row */
+            const i64 t = ta + k;
+            const float *restrict gt = g + t * d;
+            prefetch_ahead(gt, d, t, t1);
+            if (lse0) { /* a merge: Δ = g·out (a plain read sums it from its sources below) */
+                const float *restrict yt = out + t * d;
+                prefetch_ahead(yt, d, t, t1);
+                float gy = 0.f;
+#pragma omp simd reduction(+ : gy)
+                for (int c = 0; c < d; c++) gy += gt[c] * yt[c];
+                GO[k] = gy;
+            }
+            const float *restrict qt = per_token ? q + t * d : q;
+            if (per_token) prefetch_ahead(qt, d, t, t1);
+            for (int i = 0; i < n; i++) {
+                const float *restrict x = u[i] + t * d;
+                prefetch_ahead(x, d, t, t1);
+                float rho, gx = 0.f;
+                S[i * G + k] = row_score(x, qt, d, eps, key_norm, &rho);
+#pragma omp simd reduction(+ : gx)
+                for (int c = 0; c < d; c++) gx += gt[c] * x[c];
+                RH[i * G + k] = rho;
+                GU[i * G + k] = gx;
+            }
+            L[k] = lse[t];
+            A0[k] = lse0 ? lse0[t] : -INFINITY;
+        }
+        for (int k = T; k < G; k++) {
+            for (int i = 0; i < n; i++) S[i * G + k] = 0.f, RH[i * G + k] = 1.f, GU[i * G + k] = 0.f;
+            GO[k] = L[k] = A0[k] = 0.f;
+        }
+#pragma omp simd
+        for (int k = 0; k < G; k++) {
+            A0[k] = Z[k] = exp_f(A0[k] - L[k]);
+            DL0[k] = 0.f;
+        }
+        /* The weights e^(t − lse) divided by their sum, 1 but for lse's rounding (|lse|·2⁻²⁴):
+         * gradients through a nearly one-hot softmax cancel only if the weights sum to 1 (see
+         * normalise_lanes in depth_read.c). */
+        for (int i = 0; i < n; i++) {
+#pragma omp simd
+            for (int k = 0; k < G; k++) {
+                const float s = S[i * G + k];
+                E[i * G + k] = exp_f((use_sigmoid ? log_sigmoid(s) : s) - L[k]);
+                Z[k] += E[i * G + k];
+            }
+        }
+#pragma omp simd
+        for (int k = 0; k < G; k++) {
+            Z[k] = 1.f / Z[k];
+            A0[k] *= Z[k];
+        }
+        if (!lse0) { /* a plain read: Δ = Σ α_i (g·u_i), in which g·u of the heaviest source cancels
+                      * against itself; g·out, a dot product of its own, would not cancel it exactly,
+                      * and the query's gradient through a nearly one-hot softmax was 10× less
+                      * precise */
+            for (int k = 0; k < G; k++) GO[k] = 0.f;
+            for (int i = 0; i < n; i++) {
+#pragma omp simd
+                for (int k = 0; k < G; k++) GO[k] += E[i * G + k] * Z[k] * GU[i * G + k];
+            }
+        }
+        for (int i = 0; i < n; i++) { /* pass 2: coefficients, tokens in the lanes */
+#pragma omp simd
+            for (int k = 0; k < G; k++) {
+                const int j = i * G + k;
+                const float s = S[j];
+                const float a = E[j] * Z[k];
+                const float dt = a * (GU[j] - GO[k]);
+                const float ds = use_sigmoid ? dt / (1.f + exp_f(s)) : dt;
+                DL0[k] -= dt;
+                S[j] = a;
+                GU[j] = ds * RH[j];
+                RH[j] = key_norm ? -ds * s * RH[j] * RH[j] / d : 0.f;
+            }
+        }
+        if (!per_token) memset(dq_group, 0, sizeof(float) * d);
+        for (int k = 0; k < T; k++) { /* pass 3: each gradient row once */
+            const i64 t = ta + k;
+            const float *restrict gt = g + t * d;
+            const float *restrict qt = per_token ? q + t * d : q;
+            if (do0) {
+                float *restrict o = do0 + t * d;
+                const float a0 = A0[k];
+#pragma omp simd
+                for (int c = 0; c < d; c++) o[c] = a0 * gt[c];
+                dlse0[t] = DL0[k];
+            }
+            float *restrict dqt = per_token ? dq_tok + t * d : dq_group; /* a row, or the group's sum */
+            if (per_token) memset(dqt, 0, sizeof(float) * d);
+            for (int i = 0; i < n; i++) {
+                const int j = i * G + k;
+                const float a = S[j], cq = GU[j], cu = RH[j];
+                const float *restrict x = u[i] + t * d;
+                float *restrict dx = du[i] + t * d;
+#pragma omp simd
+                for (int c = 0; c < d; c++) {
+                    dx[c] = a * gt[c] + cq * qt[c] + cu * x[c];
+                    dqt[c] += cq * x[c];
+                }
+            }
+        }
+        if (!per_token)
+            for (int c = 0; c < d; c++) dq[c] += dq_group[c];
+    }
+}
+
+/* The common widths as compile-time constants (see vector_math.h's FIXED). */
+#define WIDTHS(call) \
+    switch (d) {     \
+    case 64: call(64); break; \
+    case 128: call(128); break; \
+    case 256: call(256); break; \
+    default: call(d); \
+    }
+
+static void one_forward(const float *const *u, int n, const float *q, int per_token, const float *o0, const float *lse0,
+                          float *out, float *lse, int d, float eps, int key_norm, int use_sigmoid, i64 t0, i64 t1) {
+#define FWD(w) one_forward_body(u, n, q, per_token, o0, lse0, out, lse, w, eps, key_norm, use_sigmoid, t0, t1)
+    WIDTHS(FWD)
+#undef FWD
+}
+
+static void one_backward(const float *const *u, int n, const float *q, int per_token, const float *out,
+                           const float *lse0, const float *lse, const float *g, float *const *du, double *dq,
+                           float *dq_tok, float *do0, float *dlse0, int d, float eps, int key_norm, int use_sigmoid,
+                           i64 t0, i64 t1, float *dq_group) {
+#define BWD(w)                                                                                                       \
+    one_backward_body(u, n, q, per_token, out, lse0, lse, g, du, dq, dq_tok, do0, dlse0, w, eps, key_norm,          \
+                        use_sigmoid, t0, t1, dq_group)
+    WIDTHS(BWD)
+#undef BWD
+}
+
+/* Whether a read takes the one-reader path, which computes 1/rms itself (rms must be NULL). */
+static inline int one_reader(int R, int H, int n, const float *const *rms, const float *glse) {
+    return R == 1 && H == 1 && n >= 1 && n <= MAX_SOURCES && !rms && !glse;
+}
+
+int attnres_read_max_one_reader_sources(void) { return MAX_SOURCES; }
+
+/* Forward. srcs: n pointers to (N, d); rms: n pointers to (N,), or NULL (one reader: computed here
+ * if key_norm; otherwise raw keys); q: (R, d) static queries, or (N, d) per token (R = 1); o0
+ * (R, N, d) and lse0 (R, N, H), or NULL; out: R pointers to (N, d) (one tensor per reader), lse
+ * (R, N, H). scratch: TT·(n + 3)·R·H floats. Returns 0. */
 int attnres_read_forward(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
                          const float *o0, const float *lse0, float *const *out, float *lse, i64 N, int d, int H, int R,
-                         int use_sigmoid, i64 t0, i64 t1, float *scratch) {
-    if (R == 1 && H == 1) {
-        read_one_forward(srcs, rms, n, q, per_token, o0, lse0, out[0], lse, d, use_sigmoid, t0, t1, scratch);
+                         int use_sigmoid, int key_norm, float eps, i64 t0, i64 t1, float *scratch) {
+    if (one_reader(R, H, n, rms, NULL)) {
+        one_forward(srcs, n, q, per_token, o0, lse0, out[0], lse, d, eps, key_norm, use_sigmoid, t0, t1);
         return 0;
     }
     const int W = d / H, RH = R * H;
@@ -629,10 +671,10 @@ int attnres_read_backward(const float *const *srcs, const float *const *rms, int
                           const float *const *out, const float *lse0, const float *lse, const float *const *gout,
                           const float *glse, float *const *dsrc, float *const *drms, float *dq_tok, double *dq_static,
                           float *do0, float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, int fold_rms,
-                          i64 t0, i64 t1, float *scratch) {
-    if (R == 1 && H == 1) {
-        read_one_backward(srcs, rms, n, q, per_token, out ? out[0] : NULL, lse0, lse, gout[0], glse, dsrc, drms, dq_tok,
-                          dq_static, do0, dlse0, d, use_sigmoid, fold_rms, t0, t1, scratch);
+                          int key_norm, float eps, i64 t0, i64 t1, float *scratch) {
+    if (one_reader(R, H, n, rms, glse)) {
+        one_backward(srcs, n, q, per_token, out ? out[0] : NULL, lse0, lse, gout[0], dsrc, dq_static, dq_tok, do0, dlse0,
+                     d, eps, key_norm, use_sigmoid, t0, t1, scratch);
         return 0;
     }
     const int W = d / H, RH = R * H, TRH = TT * RH;
@@ -838,18 +880,17 @@ static i64 backward_scratch(int n, int R, int H, int d) {
 }
 
 /* attnres_read_forward over the k ranges [bounds[j], bounds[j + 1]), one per thread, each with
- * scratch of its own (allocated here: the caller's Python allocating it cost more than the
- * allocation, see benchmarks/RESULTS.md). Returns 0, or 1 if memory ran out. */
+ * scratch of its own. Returns 0, or 1 if memory ran out. */
 int attnres_read_forward_ranges(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
                                 const float *o0, const float *lse0, float *const *out, float *lse, i64 N, int d, int H,
-                                int R, int use_sigmoid, const i64 *bounds, int k) {
+                                int R, int use_sigmoid, int key_norm, float eps, const i64 *bounds, int k) {
     const i64 floats = forward_scratch(n, R, H);
     float *scratch = malloc(sizeof(float) * (size_t)(k * floats));
     if (!scratch) return 1;
 #pragma omp parallel for num_threads(k) schedule(static, 1) if (k > 1)
     for (int j = 0; j < k; j++)
-        attnres_read_forward(srcs, rms, n, q, per_token, o0, lse0, out, lse, N, d, H, R, use_sigmoid, bounds[j],
-                             bounds[j + 1], scratch + j * floats);
+        attnres_read_forward(srcs, rms, n, q, per_token, o0, lse0, out, lse, N, d, H, R, use_sigmoid, key_norm, eps,
+                             bounds[j], bounds[j + 1], scratch + j * floats);
     free(scratch);
     return 0;
 }
@@ -861,8 +902,8 @@ int attnres_read_forward_ranges(const float *const *srcs, const float *const *rm
 int attnres_read_backward_ranges(const float *const *srcs, const float *const *rms, int n, const float *q, int per_token,
                                  const float *const *out, const float *lse0, const float *lse, const float *const *gout,
                                  const float *glse, float *const *dsrc, float *const *drms, float *dq, float *do0,
-                                 float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, int fold_rms,
-                                 const i64 *bounds, int k) {
+                                 float *dlse0, i64 N, int d, int H, int R, int use_sigmoid, int fold_rms, int key_norm,
+                                 float eps, const i64 *bounds, int k) {
     const i64 floats = backward_scratch(n, R, H, d);
     float *scratch = malloc(sizeof(float) * (size_t)(k * floats));
     double *acc = per_token ? NULL : calloc((size_t)k * R * d, sizeof(double));
@@ -875,7 +916,7 @@ int attnres_read_backward_ranges(const float *const *srcs, const float *const *r
     for (int j = 0; j < k; j++)
         attnres_read_backward(srcs, rms, n, q, per_token, out, lse0, lse, gout, glse, dsrc, drms, per_token ? dq : NULL,
                               per_token ? NULL : acc + (i64)j * R * d, do0, dlse0, N, d, H, R, use_sigmoid, fold_rms,
-                              bounds[j], bounds[j + 1], scratch + j * floats);
+                              key_norm, eps, bounds[j], bounds[j + 1], scratch + j * floats);
     if (!per_token)
         for (i64 c = 0; c < (i64)R * d; c++) {
             double sum = 0.0;
@@ -887,20 +928,10 @@ int attnres_read_backward_ranges(const float *const *srcs, const float *const *r
     return 0;
 }
 
-/* 1/rms of each row of x (N, d): rho[t] = (mean x² + eps)^(-1/2). */
-int attnres_inv_rms_forward(const float *x, float *rho, i64 N, int d, float eps) {
-    for (i64 t = 0; t < N; t++) rho[t] = 1.f / sqrtf(dot(x + t * d, x + t * d, d) / d + eps);
-    return 0;
-}
-
-/* dx = dρ · ∂ρ/∂x = −dρ · ρ³ · x / d. */
-int attnres_inv_rms_backward(const float *x, const float *rho, const float *drho, float *dx, i64 N, int d) {
-    for (i64 t = 0; t < N; t++) {
-        const float coef = -drho[t] * rho[t] * rho[t] * rho[t] / d;
-        const float *xt = x + t * d;
-        float *o = dx + t * d;
-#pragma omp simd
-        for (int c = 0; c < d; c++) o[c] = coef * xt[c];
-    }
+/* 1/rms of every row of n sources (each (N, d)): rhos[i][t] = (mean x² + eps)^(-1/2), on k threads. */
+int attnres_inv_rms(const float *const *xs, float *const *rhos, int n, i64 N, int d, float eps, int k) {
+#pragma omp parallel for num_threads(k) schedule(static) if (k > 1)
+    for (i64 t = 0; t < N; t++)
+        for (int i = 0; i < n; i++) rhos[i][t] = 1.f / sqrtf(dot(xs[i] + t * d, xs[i] + t * d, d) / d + eps);
     return 0;
 }

@@ -5,10 +5,9 @@
  *     backward, with u = g ∘ w:  dx = ρ·u − x·ρ³·(u·x)/d      dw = Σ_tokens g ∘ x·ρ
  *
  * Why a kernel: torch's CPU RMSNorm is a composite of elementwise ops and reductions (about six
- * passes over the tensor forward and ten backward, each a dispatched op with its own output): at
- * the default model's width (d 64, 2048 tokens) one forward and backward took ~470 µs warm, for a
- * few hundred kilobytes of data, and a training step runs 33 of them. Here each row is read once
- * forward (its sum of squares, then its output while it is in L1) and once backward.
+ * passes over the tensor forward and ten backward, each a dispatched op with its own output), and
+ * a training step runs one per sublayer. Here each row is read once forward (its sum of squares,
+ * then its output while it is in L1) and once backward.
  *
  * Design decisions:
  * - ρ per row is an output: the backward reuses it instead of recomputing the root, and it is all

@@ -1,5 +1,5 @@
 /* The stream mixing of mHC (manifold-constrained Hyper-Connections) on the CPU, forward and
- * backward, fp32: the C counterpart of the PyTorch path in attnres/residuals/hyper_connections.py
+ * backward, fp32: the same function as the reference in attnres/residuals/hyper_connections.py
  * (same math, same arguments). The state is one (N, n, d) array: per token the n streams of width
  * d, contiguous. Per sublayer, with proj = vec(H) @ (g ∘ φ) computed by the caller (a matmul):
  *
@@ -12,7 +12,7 @@
  * - Everything that is per token and small (gates, sigmoid, the n×n Sinkhorn iterations) runs on
  *   tiles of TT tokens laid out token-last, a[k][lane]: every loop over a matrix entry is a loop
  *   over TT lanes that the compiler vectorises, and all 2·iters normalisation steps of a tile stay
- *   in L1 (the PyTorch path spends ~80 dispatched tensor ops on the same work).
+ *   in L1 (the reference spends dozens of dispatched tensor ops on the same work).
  * - Whole streams are touched once per pass, per token: the update reads each H_j and writes
  *   each H'_i once (n² multiply-adds from cache), the mix reads H once for |H|² and the pre-mix.
  * - The Sinkhorn backward is the exact gradient of the unrolled iterations, recomputed per tile
@@ -22,7 +22,7 @@
  *   incoming gradient) and d proj; the caller adds d proj @ wᵀ with a matmul before the update's
  *   backward, so H's gradient is one array written by one kernel, never a sum of autograd
  *   branches.
- * - Sinkhorn multiplies by the reciprocal of each row or column sum where the PyTorch path
+ * - Sinkhorn multiplies by the reciprocal of each row or column sum where the reference
  *   divides (n divisions per step instead of n²; results differ in the last bits). A
  *   vectorisable exp (libm's is a scalar call), and no fminf/fmaxf (library calls unless NaNs
  *   are ruled out): plain comparisons.
@@ -141,59 +141,6 @@ static inline __attribute__((always_inline)) void sinkhorn_tile_backward(const f
         }
     }
     for (int k = 0; k < nn; k++) D[k] *= I[k];
-}
-
-/* Sinkhorn on (N, n, n) logits, out (N, n, n). Returns 0. */
-int mhc_sinkhorn_forward(const float *logits, float *out, i64 N, int n, int iters, int threads) {
-    const int nn = n * n;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
-    {
-        float *M = tile_alloc((i64)nn * TT);
-        failed |= !M;
-#pragma omp for schedule(static)
-        for (i64 ta = 0; ta < N; ta += TT) {
-            if (!M) continue;
-            const int T = (int)(N - ta < TT ? N - ta : TT);
-            for (int k = 0; k < nn; k++)
-                for (int u = 0; u < TT; u++) M[k * TT + u] = u < T ? logits[(ta + u) * nn + k] : 0.f;
-            if (n == 4) sinkhorn_tile(M, 4, iters, NULL, NULL);
-            else sinkhorn_tile(M, n, iters, NULL, NULL);
-            for (int u = 0; u < T; u++)
-                for (int k = 0; k < nn; k++) out[(ta + u) * nn + k] = M[k * TT + u];
-        }
-        free(M);
-    }
-    return failed ? -1 : 0;
-}
-
-/* The gradient of the logits (N, n, n) from the output's gradient grad (N, n, n). Returns 0. */
-int mhc_sinkhorn_backward(const float *logits, const float *grad, float *dlogits, i64 N, int n, int iters,
-                          int threads) {
-    const int nn = n * n;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
-    {
-        float *L = tile_alloc(2 * nn * TT + sinkhorn_scratch(n, iters));
-        failed |= !L;
-        float *G = L ? L + nn * TT : NULL, *scratch = L ? G + nn * TT : NULL;
-#pragma omp for schedule(static)
-        for (i64 ta = 0; ta < N; ta += TT) {
-            if (!L) continue;
-            const int T = (int)(N - ta < TT ? N - ta : TT);
-            for (int k = 0; k < nn; k++)
-                for (int u = 0; u < TT; u++) {
-                    L[k * TT + u] = u < T ? logits[(ta + u) * nn + k] : 0.f;
-                    G[k * TT + u] = u < T ? grad[(ta + u) * nn + k] : 0.f;
-                }
-            if (n == 4) sinkhorn_tile_backward(L, G, 4, iters, scratch);
-            else sinkhorn_tile_backward(L, G, n, iters, scratch);
-            for (int u = 0; u < T; u++)
-                for (int k = 0; k < nn; k++) dlogits[(ta + u) * nn + k] = G[k * TT + u];
-        }
-        free(L);
-    }
-    return failed ? -1 : 0;
 }
 
 /* ---- the mix: coefficients and pre-mix of one sublayer ----------------------------------- */
