@@ -1,4 +1,4 @@
-"""The AttnRes family against the paper's equations, written here as plain loops (PAPER.md).
+"""The AttnRes family against the paper's equations, written here as plain loops (docs/MATH.md).
 
 All comparisons run in float64; tolerances are stated per assertion.
 """

@@ -123,7 +123,7 @@ _gpu_sweep = pytest.mark.slow  # the GPU presets compose as the CPU ones do: che
 ])
 def test_every_job_of_every_sweep_validates(name, jobs):
     """Every job composes and validates (the GPU grids repeat the CPU ones' structure: first,
-    middle and last job). PAPER.md: the paper fixes N ≈ 8 blocks as depth grows, so every Block
+    middle and last job). The paper fixes N ≈ 8 blocks as depth grows, so every Block
     job of the GPU scaling ladder and architecture grid is checked for N = 7-9 (S = round(L/8),
     block_n8; S = 4 gave 6-20 from 24 to 40 sublayers); its runs are still the variant `block`."""
     found = sweep_jobs([f"+sweep={name}"])

@@ -1,4 +1,4 @@
-"""Whole residual streams against a naive float64 reference written from PAPER.md's equations
+"""Whole residual streams against a naive float64 reference written from the paper's equations (docs/MATH.md)
 (stacked sources, explicit softmax, explicit Sinkhorn; none of the project's read paths), with
 random non-zero parameters, so that every query, gain, mixing logit and gate matters. These cover
 what tests/test_core_reads.py does not: DenseFormer, HC, mHC, multi-head, per-token queries, the

@@ -100,9 +100,8 @@ def path(*tensors: torch.Tensor, traceable: bool = True) -> str:
 def two_phase(sources: str, *tensors: torch.Tensor) -> bool:
     """Whether a static-query AttentionResidual with these sources reads in two phases, for reads
     of these tensors (the embedding and a query).
-    Measured: on the C path two-phase is the faster schedule for Full by a wide margin and for
-    Block by a little; on an H200 Block ran faster with one read per sublayer; Full on CUDA reads
-    about 3× fewer source bytes in two phases. The reference reads one sublayer at a time."""
+    The defaults follow benchmarks/RESULTS.md: two phases on the C path, and for Full on CUDA; Block
+    on CUDA reads once per sublayer. The reference reads one sublayer at a time."""
     if sources not in ("block", "full"):
         return False
     forced = _forced["schedule"] or _choice(os.environ.get("ATTNRES_SCHEDULE", "auto"), SCHEDULES, "ATTNRES_SCHEDULE")

@@ -25,7 +25,7 @@ from .base import Residual, check_positive_int
 
 SOURCES = ("full", "window", "block")
 QUERIES = ("static", "input", "scalar")
-FULL_CHUNK = 8  # sublayers per phase-one read of Full (Block reads a block); 8 measured fastest on the C path
+FULL_CHUNK = 8  # sublayers per phase-one read of Full (Block reads a block); the fastest on the C path
 
 
 def _check_choice(name: str, value, allowed) -> None:

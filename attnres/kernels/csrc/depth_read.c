@@ -137,7 +137,7 @@ static inline void head_dots(const float *a, const float *b, int d, int W, float
  * already offset), coef(i, r, h) = w[i·wstride + r·rstride + h]; base: a[r·H + h]·b_r (b may be
  * NULL: zero). Channels c0 .. c0 + 16·nc. wide: a head spans the 64 channels (W a multiple of 64),
  * so each row has one weight per source, broadcast once for its 4 chunks; the general form kept
- * 16 weight addresses live and spilled them (phase-1 backwards at d 64: 11–15% slower). */
+ * 16 weight addresses live and spilled them. */
 static inline __attribute__((always_inline)) void mix_block(
     float *const *rows, int nr, const float *const *x, int n, const float *w, i64 wstride, i64 rstride, int H, int W,
     int c0, int nc, const float *a, const float *const *b, int wide) {
