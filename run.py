@@ -16,7 +16,7 @@ Returns the final validation loss (for sweepers). Everything else lives in harne
 from harness import openmp
 
 # OpenMP's idle workers spin briefly, then sleep: fast on an idle machine, no collapse on a shared
-# one (measured in harness/openmp.py). Before torch loads OpenMP; a user's own setting wins.
+# one (harness/openmp.py says why). Before torch loads OpenMP; a user's own setting wins.
 openmp.set_wait_policy()
 
 import hydra

@@ -5,12 +5,10 @@ Why: a training step allocates and frees the same tensors every step. By default
 block above its mmap threshold with fresh pages from the kernel, and hands the top of its heap
 back once more than its trim threshold lies free there; either way the next step touches new
 pages, one page fault per 4 KiB. The thresholds adapt to the largest block freed so far, which
-keeps a plain Transformer's steps fault-free after warm-up but not every model: measured on the
-2-core CPU at the issue's shape (d_model 64, 16 layers, batch 16 × 128, one thread), Block
-AttnRes took ~2,600 page faults and ~4 ms of system time per step, the baseline none
-(benchmarks/RESULTS.md). Raising both thresholds keeps freed blocks for reuse, which is what
-jemalloc and tcmalloc do and what PyTorch's CPU performance guide suggests them for; the cost is
-that the process keeps its peak heap, which a training loop reaches every step anyway.
+keeps a plain Transformer's steps fault-free after warm-up, but Block AttnRes's many small reads
+kept faulting pages in every CPU step. Raising both thresholds keeps freed blocks for reuse, as
+jemalloc and tcmalloc do; the cost is that the process keeps its peak heap, which a training loop
+reaches every step anyway.
 
 Only glibc has these settings; elsewhere (macOS, musl) this does nothing and says so.
 """

