@@ -41,6 +41,7 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 MLFLOW_ARTIFACT_DIR = "model"  # where a run keeps the folder written by save_pretrained
 TRAINING_CHECKPOINT = "last.pt"  # harness.checkpoint.CHECKPOINT: what a run folder of run.py holds
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the checkout, in an editable install
 _METADATA_KEY = "attnres_config"
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -195,16 +196,19 @@ def _read_torch_checkpoint(path: Path) -> tuple[dict, dict]:
     return state, obj["config"]
 
 
-def _default_store() -> Optional[str]:
-    """$MLFLOW_TRACKING_URI, else the store run.py writes to (<project root>/mlflow.db, wherever
-    Python started), as the evaluation commands read it: MLflow's own default is mlflow.db in the
-    working folder, where `attnres.load(run_id)` outside the project root found nothing. The rule
-    lives in harness.resolvers; the core installed without the harness keeps MLflow's default."""
-    try:
-        from harness.resolvers import default_tracking_uri
-    except ImportError:
-        return os.environ.get("MLFLOW_TRACKING_URI") or None
-    return default_tracking_uri()
+def default_tracking_uri() -> str:
+    """$MLFLOW_TRACKING_URI (a relative SQLite path made absolute), else <project root>/mlflow.db:
+    the store run.py writes to, found from any working folder."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    return absolute_sqlite(env) if env else f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
+
+
+def absolute_sqlite(uri: str) -> str:
+    """A relative sqlite:/// path resolved against the working folder, so that later chdirs keep it."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and uri != prefix + ":memory:":
+        return prefix + str(Path(uri[len(prefix):]).expanduser().resolve())
+    return uri
 
 
 def _read_mlflow(run_id: str, folder: str, tracking_uri: Optional[str]) -> tuple[dict, dict]:
@@ -213,7 +217,7 @@ def _read_mlflow(run_id: str, folder: str, tracking_uri: Optional[str]) -> tuple
         from mlflow.exceptions import MlflowException
     except ImportError:
         raise CheckpointError(f"{run_id}: looks like an MLflow run id, but mlflow is not installed") from None
-    uri = tracking_uri or _default_store() or mlflow.get_tracking_uri()
+    uri = tracking_uri or default_tracking_uri()
     database = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
     if database and database != ":memory:" and not Path(database).expanduser().exists():
         # MLflow would create an empty store here and then not find the run in it.

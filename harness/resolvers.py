@@ -25,22 +25,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from attnres.io import absolute_sqlite, default_tracking_uri  # one rule for run.py, evaluation and load()
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
-
-def default_tracking_uri() -> str:
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return absolute_sqlite(env)
-    return f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
-
-
-def absolute_sqlite(uri: str) -> str:
-    """sqlite:///relative.db -> sqlite:////abs/relative.db (against the working directory, once)."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and uri != prefix + ":memory:":
-        return prefix + str(Path(uri[len(prefix):]).expanduser().resolve())
-    return uri
 
 
 def arch_shape(arch: Any) -> dict:

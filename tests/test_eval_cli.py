@@ -261,10 +261,10 @@ def test_runs_are_read_from_run_pys_store_wherever_the_command_starts(setup, cap
     """Without --tracking-uri or $MLFLOW_TRACKING_URI a run id is looked up where run.py logs
     (<project root>/mlflow.db, here a stand-in root), not in ./mlflow.db of the working folder; a
     store that does not exist is one line and no empty database is left behind."""
-    import harness.resolvers
+    import attnres.io
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(harness.resolvers, "PROJECT_ROOT", setup["tmp"])  # holds mlflow.db
+    monkeypatch.setattr(attnres.io, "PROJECT_ROOT", setup["tmp"])  # holds mlflow.db
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -272,7 +272,7 @@ def test_runs_are_read_from_run_pys_store_wherever_the_command_starts(setup, cap
     assert "eval/heldout/loss" in capsys.readouterr().out
     assert list(elsewhere.iterdir()) == []  # nothing read from, or created in, the working folder
 
-    monkeypatch.setattr(harness.resolvers, "PROJECT_ROOT", tmp_path / "empty")
+    monkeypatch.setattr(attnres.io, "PROJECT_ROOT", tmp_path / "empty")
     assert main([setup["run_id"]]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"run {setup['run_id']}: no MLflow store at sqlite:///" in err, err

@@ -103,12 +103,12 @@ def test_a_run_id_is_read_from_the_store_run_py_writes_to_from_any_folder(tmp_pa
     there. It reads <project root>/mlflow.db as the evaluation commands do, and a store that does
     not exist is one line."""
     mlflow = pytest.importorskip("mlflow")
-    import harness.resolvers
+    import attnres.io
 
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     project.mkdir()
     elsewhere.mkdir()
-    monkeypatch.setattr(harness.resolvers, "PROJECT_ROOT", project)
+    monkeypatch.setattr(attnres.io, "PROJECT_ROOT", project)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(elsewhere)
     run_id = "0123456789abcdef0123456789abcdef"
