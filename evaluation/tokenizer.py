@@ -1,7 +1,7 @@
 """Text ↔ token ids for evaluating a checkpoint: the byte-level vocabulary, or GPT-2 BPE.
 
-A checkpoint does not name its tokenizer, so its vocabulary decides (256 ≤ V < 50257 bytes,
-V ≥ 50257 GPT-2, which padded vocabularies such as 50304 exceed); either can be forced by name.
+A checkpoint does not name its tokenizer, so its vocabulary decides: 256 ≤ V < 50257 is bytes,
+V ≥ 50257 GPT-2 BPE (padded sizes such as 50304 included); either can be forced by name.
 `token_bytes` gives each id's bytes, so bits per byte are exact for both.
 """
 from __future__ import annotations
