@@ -1,22 +1,8 @@
 """The architecture sweep (paper Fig. 7): loss over d_model/L_b × heads/L_b, and its optimum.
 
-The paper reads off "the baseline is best at d_model/L_b ≈ 60, AttnRes at ≈ 45" from a 5×5 grid.
-A grid only resolves the optimum to its spacing, so we refine it the usual way: fit the parabola
-through the best grid point and its two neighbours, in log(d_model/L_b) (the grid is roughly
-geometric and loss curves over aspect ratio are closer to symmetric in log scale), and take its
-vertex. The vertex of a parabola through three points whose middle one is strictly lowest always
-lies strictly between the outer two, so the refinement can never leave the bracket the grid
-established. At a grid edge there is no bracket and the grid value is returned as is.
-
-The per-variant optimum is taken in the heads/L_b row holding the variant's best cell (the
-paper's 1.847 and 1.802 are both grid minima); :func:`find_optimum` also takes a given row.
-
-Cells are compared between variants by their *actual* shape (d_model × layers × heads), not their
-nominal ratios: rounding to whole layers and heads can send two nominal cells to one model (ours:
-d_model/L_b 40 at heads/L_b 0.25 and 0.5 are both 112 × 2 × 1), and counting that model twice
-would count one comparison twice. A cell's difference only counts as a win or a loss beyond the
-seed noise (:func:`seed_noise`, :func:`compare_cells`); with one seed per cell and no replicated
-configuration there is no noise estimate, and then no cell counts either way.
+The optimum is the best grid cell, refined by the vertex of the parabola through it and its two
+neighbours in log(d_model/L_b). Variants are compared per actual shape (d_model × layers × heads),
+and a cell's difference counts only beyond the seed noise; see docs/ANALYSIS.md.
 """
 from __future__ import annotations
 
@@ -45,7 +31,9 @@ class Optimum:
 
 
 def refine_vertex(xs, ys) -> tuple[float, float]:
-    """Vertex (x*, y*) of the parabola through three points given in log-x.
+    """Vertex (x*, y*) of the parabola through three points given in log-x (the grid is roughly
+    geometric, and loss over aspect ratio is closer to symmetric in log scale). With the middle
+    point strictly lowest the vertex lies strictly between the outer two, inside the grid's bracket.
 
     Returns the middle point itself if the parabola is not convex (then there is no minimum)."""
     lx = np.log(np.asarray(xs, dtype=float))
@@ -62,7 +50,7 @@ def find_optimum(grid: pd.DataFrame, variant: str, heads_per_layer: float | None
     g = grid[grid["variant"] == variant].dropna(subset=[X, Y, V])
     if g.empty:
         raise ValueError(f"no grid cells for variant {variant!r}")
-    if heads_per_layer is None:
+    if heads_per_layer is None:  # the row of the best cell (the paper's optima are grid minima)
         heads_per_layer = float(g.loc[g[V].idxmin(), Y])
     row = g[np.isclose(g[Y], heads_per_layer)].sort_values(X)
     if row.empty:

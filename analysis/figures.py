@@ -1,18 +1,8 @@
 """Every figure of the paper that our runs can redraw, ours beside the paper's where it has one.
 
-Each function takes data already reduced by the other modules, writes ``<stem>.png`` and
-``<stem>.pdf`` into a folder and returns their paths. Figures with nothing to draw for our side
-still draw the paper's panel, with a note where ours would be, so a partial study gives a
-complete set of files.
-
-Design decisions:
-
-* matplotlib's non-interactive Agg backend, selected before pyplot is imported, so figures are
-  written on machines without a display (CI, clusters).
-* One colour per variant, the same in every figure (the order of :data:`paper.KNOWN_VARIANTS`
-  into tab20), so a reader can follow a variant across figures.
-* Output is byte-stable for identical input: no creation date in the PDF, no software tag in the
-  PNG (``REPORT.md`` and tables must regenerate identically; this keeps figures close too).
+Each function takes data already reduced by the other modules and writes ``<stem>.png`` and
+``<stem>.pdf`` into a folder; with nothing of ours to draw, the paper's panel is still drawn with
+a note, so a partial study gives a complete set of files. Agg backend: no display needed.
 """
 from __future__ import annotations
 
@@ -35,7 +25,7 @@ _TAB = plt.get_cmap("tab20").colors
 
 
 def color(variant: str):
-    """Stable colour of a variant."""
+    """Stable colour of a variant, the same in every figure so a reader can follow it."""
     if variant in KNOWN_VARIANTS:
         return _TAB[KNOWN_VARIANTS.index(variant) % len(_TAB)]
     return _TAB[(len(KNOWN_VARIANTS) + sum(map(ord, variant))) % len(_TAB)]
@@ -45,6 +35,7 @@ def save(fig, folder, stem: str) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{stem}.png", folder / f"{stem}.pdf"]
+    # No dates or software tags: identical input gives byte-identical files.
     fig.savefig(paths[0], dpi=130, bbox_inches="tight", metadata={"Software": None})
     fig.savefig(paths[1], bbox_inches="tight", metadata={"CreationDate": None, "Creator": None,
                                                           "Producer": None})

@@ -1,22 +1,8 @@
-"""Runs → a tidy pandas frame, metric histories and instrumentation; CSV snapshots of all three.
+"""Runs → a tidy pandas frame (one row per training run), metric histories and instrumentation.
 
-The contract is ``docs/RUN_SCHEMA.md``: this module reads params, metrics, tags and artifacts by
-the names that document gives and never imports training code. Everything it does not find
-becomes NaN rather than an error, because runs made by older harness versions, ad-hoc runs and
-failed runs all lack pieces, and a report must still be written about them.
-
-Design decisions:
-
-* **One row per training run.** Parent runs of a multirun and Optuna study runs
-  (tag ``attnres.role`` = ``parent`` / ``study``) hold no training and are left out; Optuna trials
-  are kept (they are training runs) with their role in the ``role`` column.
-* **Status is never dropped.** ``status`` is the harness's own ``attnres.status`` tag when present
-  (it knows PRUNED), otherwise MLflow's run status. The analysis uses FINISHED runs and the report
-  lists the others.
-* **A snapshot is three files**, so a report regenerates without the database:
-  ``runs.csv`` (the frame), ``runs.history.csv`` (metric histories, long format) and
-  ``runs.instrumentation.json`` (the latest instrumentation artifact of each run). Floats are
-  written with full precision, so tables made from a snapshot equal those made from the database.
+Reads only the names docs/RUN_SCHEMA.md gives and never imports training code. What it does not find
+becomes NaN, not an error: older, ad-hoc and failed runs lack pieces, and a report must still cover
+them. A snapshot (runs.csv plus .history.csv and .instrumentation.json) replaces the database.
 """
 from __future__ import annotations
 
@@ -35,7 +21,7 @@ import pandas as pd
 from .scaling import PFLOPS_DAY
 
 HISTORY_KEYS = ("val/loss", "val/loss_by_tokens", "train/loss")
-NOT_TRAINING_ROLES = {"parent", "study"}
+NOT_TRAINING_ROLES = {"parent", "study"}  # multirun parents and Optuna studies; trials are kept
 
 # column -> (source, key), tried in order; the first one present wins.
 _FIELDS: dict[str, list[tuple[str, str]]] = {
@@ -187,6 +173,7 @@ def _row(run, exp_name: str) -> dict:
     row = {"run_id": run.info.run_id, "experiment": exp_name}
     for col, options in _FIELDS.items():
         row[col] = next((src[kind][key] for kind, key in options if key in src[kind]), None)
+    # The harness's own tag knows PRUNED; no status is dropped, the report lists the unfinished.
     row["status"] = run.data.tags.get("attnres.status") or run.info.status
     row["start_time"] = run.info.start_time
     for metric, value in run.data.metrics.items():
@@ -327,6 +314,7 @@ def export_snapshot(runset: RunSet, path) -> list[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     hist_path, inst_path = _sidecars(path)
+    # Full precision, so tables made from a snapshot equal those made from the database.
     runset.runs.to_csv(path, index=False, float_format="%.17g")
     runset.histories.to_csv(hist_path, index=False, float_format="%.17g")
     inst_path.write_text(json.dumps(runset.instrumentation, sort_keys=True, indent=1))

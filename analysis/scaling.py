@@ -1,49 +1,8 @@
 """Power-law fits of loss against compute, their bootstrap intervals, and compute multipliers.
 
-Two forms are fitted per variant:
-
-* ``pure``:  L = A · C^-α          (the form of the paper's Table 2 / Fig. 4)
-* ``offset``: L = E + A · C^-α     (an irreducible-loss term, as in Chinchilla's approach 3)
-
-Design decisions (and where they come from):
-
-* The fit minimises a **Huber loss on log-loss residuals, summed over runs**, with **L-BFGS from
-  a grid of starts**, keeping the best: the setup of Besiroglu et al. 2024 ("Chinchilla Scaling: A
-  replication attempt", Epoch AI) for Chinchilla's approach 3, except for δ. They use δ = 1e-3;
-  with residuals far above δ (seed noise of a few percent here) that loss is least absolute
-  deviations, whose optimum need not be unique: with two seeds per size, every line passing
-  between the pairs had the same objective, and the reported α was wherever L-BFGS stopped (an
-  audit found α anywhere in [0.147, 0.162] for our baseline, its multiplier between 0.80 and 0.94).
-  So δ follows the data, as in Huber's M-estimation: **δ = 1.345·σ̂**, σ̂ = 1.4826·MAD of the
-  residuals of a first fit at δ = 1e-3 (the normal-consistent MAD; 1.345 keeps 95% of least
-  squares' efficiency for normal noise), never below 1e-3. Runs within ~1.3σ̂ then count
-  quadratically (a unique optimum), a diverged or mis-logged run still only linearly. The bootstrap
-  keeps the full-data δ. Summing (not averaging) keeps the gradient from shrinking with the number
-  of runs, so the optimiser's tolerances do not stop it early.
-* Compute is centred internally at its geometric mean C0: we fit L = E + A'·(C/C0)^-α and report
-  A = A'·C0^α. This is a reparametrisation, so the optimum is unchanged, but it removes the near
-  collinearity of log A and α when log C sits far from 0 (tiny CPU runs have C ~ 1e-7
-  PFLOP/s-days), which otherwise makes L-BFGS crawl.
-* Many independent problems (the starts, and every bootstrap resample) are solved **at once by
-  a vectorised L-BFGS** (:func:`_lbfgs`) in which each problem keeps its own curvature memory,
-  step length and stopping test; only the arithmetic is shared. 1,000 resamples take about a
-  second instead of ~10 s for a Python loop over scipy. A test checks that it reaches scipy's
-  L-BFGS-B optimum.
-* **Confidence intervals are percentile bootstrap intervals over runs**: runs are resampled with
-  replacement within a variant and the whole fit is redone. Resamples that do not contain enough
-  distinct compute values to identify the law are discarded and counted. The replicates' spread
-  around the fit is widened by t_{n−p}/z·sqrt(n/(n−p)) (`small_sample_factor`: 1.44 at 8 runs,
-  1.15 at 18): resampling reproduces the plug-in spread, too narrow at a handful of runs
-  (simulated coverage for α with 1% noise, 300 studies each: 4 sizes × 2 seeds 0.89 → 0.957,
-  8 × 1 0.95, 6 × 3 0.885 → 0.927). No interval (NaN) is
-  given from fewer than **4 distinct compute values or fewer than p + 2 runs** (p parameters):
-  there the resamples cannot show the spread (simulated coverage of a nominal 95% interval for α:
-  64% from 3 sizes × 1 seed, 65% from 2 × 2; 96% from 4 × 2 and 8 × 1).
-* The **compute multiplier** of a variant v over the baseline b at compute C is C_b(L_v(C)) / C:
-  the compute the baseline needs to reach the loss the variant reaches with C. With unequal
-  exponents it depends on C, so it is always reported with the C where it is read (or from a
-  shared-exponent fit, where it is the constant (A_b/A_v)^(1/α)).
-* 1 PFLOP/s-day = 1e15 FLOP/s × 86,400 s = 8.64e19 FLOPs.
+Two forms per variant, ``pure`` L = A·C^-α and ``offset`` L = E + A·C^-α, fitted by a Huber loss on
+log-loss residuals with a vectorised L-BFGS; the choices (δ, intervals, multiplier) and their
+reasons are in docs/ANALYSIS.md under "Methods, briefly". C is in PFLOP/s-days (8.64e19 FLOPs).
 """
 from __future__ import annotations
 
@@ -134,7 +93,9 @@ def _predict(theta, X, form):
 
 
 def _objective(theta, X, Y, W, form, delta):
-    """Per-problem objective Σ_i W_i·huber(pred_i − Y_i) and its gradient, for a batch."""
+    """Per-problem objective Σ_i W_i·huber(pred_i − Y_i) and its gradient, for a batch.
+
+    Summed, not averaged, so the gradient does not shrink with the number of runs."""
     pred, jac = _predict(theta, X, form)
     val, g = _huber(pred - Y, delta)
     g = g * W
@@ -145,12 +106,10 @@ def _objective(theta, X, Y, W, form, delta):
 def _lbfgs(fun, theta0, *, memory=10, max_iter=2000, gtol=1e-9, ftol=1e-10, c1=1e-4):
     """L-BFGS (Nocedal & Wright 2006, Alg. 7.4-7.5) run on B independent problems at once.
 
-    Why not scipy: scipy's L-BFGS-B solves one problem; looping over 1,000 bootstrap resamples
-    in Python costs ~5 ms each, and stacking them into one joint scipy problem makes its single
-    line search and shared curvature memory serve all problems badly (measured: slower than the
-    loop for the offset form). Here every problem has its own curvature pairs, its own Armijo
-    backtracking step and its own stopping test; only the arithmetic is vectorised, and only
-    problems still running are evaluated.
+    Why not scipy: its L-BFGS-B solves one problem per Python call, and one joint problem would
+    share a single line search and curvature memory among all of them. Here every problem has its
+    own curvature pairs, Armijo step and stopping test; only the arithmetic is vectorised, and
+    only problems still running are evaluated. A test checks it reaches scipy's optimum.
 
     fun(theta (b, p), rows (b,)) -> (f (b,), g (b, p)) for the problems ``rows``.
     Returns (theta (B, p), f (B,)).
@@ -243,7 +202,7 @@ def _min_distinct(form):
 
 
 def interval_supported(n_runs: int, n_compute: int, n_params: int) -> bool:
-    """Whether a bootstrap interval is given (see the module docstring): at least
+    """Whether a bootstrap interval is given (why: docs/ANALYSIS.md): at least
     MIN_COMPUTE_FOR_INTERVAL distinct compute values and n_params + 2 runs."""
     return n_compute >= MIN_COMPUTE_FOR_INTERVAL and n_runs >= n_params + 2
 
@@ -253,8 +212,7 @@ def small_sample_factor(n_runs: int, n_params: int, level: float = 0.95) -> floa
     parameters) before intervals are read from them: t_{n−p} / z × sqrt(n / (n − p)), the two
     corrections that turn a normal interval with the plug-in variance into the t interval of least
     squares. Resampling n runs reproduces the plug-in spread, which is too narrow at a handful of
-    runs (simulated coverage of a nominal 95% interval for α, 6 sizes × 3 seeds: 0.885 without,
-    4 × 2: 0.89)."""
+    runs."""
     from scipy import stats
 
     dof = max(n_runs - n_params, 1)
@@ -279,11 +237,8 @@ def _usable(C, L, what: str):
     return C[ok], L[ok], int((~ok).sum())
 
 
-# A floor under 0.01% of the smallest loss is zero: the fit pushed E to its lower edge, where its
-# gradient vanishes with E and the optimiser stops at a value set by its tolerances and the host's
-# rounding (the study's fits: 1.5e-10 on one host, 1.2e-10 on another; noise-free data: 1e-5 of
-# the loss), not by the data, which no loss here pins down to 1e-4. Snapped to 0 so that a report
-# regenerates digit for digit everywhere.
+# A floor under 0.01% of the smallest loss is where the optimiser stopped at E's lower edge (set by
+# tolerances and host rounding, not data); snapped to 0 so a report regenerates digit for digit.
 E_ZERO = 1e-4
 
 
@@ -341,8 +296,8 @@ def fit_power_law(C, L, form: str = "pure", *, n_boot: int = 1000, seed: int = 0
                   ) -> Fit:
     """Fit one law to runs (C_i, L_i) and bootstrap it over runs.
 
-    delta: Huber's δ; None (default) scales it to the residuals (`scaled_delta`, see the module
-    docstring).
+    delta: Huber's δ; None (default) scales it to the residuals (`scaled_delta`); the bootstrap
+    keeps the full-data δ.
 
     The full-data fit always uses the whole grid of starts. ``boot_starts`` is how many starts each
     resample gets: the full-data optimum first, then grid starts. Default 1 (warm start only): the
@@ -362,6 +317,8 @@ def fit_power_law(C, L, form: str = "pure", *, n_boot: int = 1000, seed: int = 0
         raise ValueError(f"{what}: the {form} law needs at least {_min_distinct(form)} distinct "
                          f"compute values among runs with positive finite compute and loss, got "
                          f"{n_distinct} ({dropped} runs dropped)")
+    # Centring log C at its mean removes the near collinearity of log A and α (tiny runs have
+    # C ~ 1e-7), which makes L-BFGS crawl; A is mapped back in _to_law, so the optimum is unchanged.
     logC0 = float(np.mean(np.log(C)))
     x, y = np.log(C) - logC0, np.log(L)
 
@@ -391,6 +348,7 @@ def fit_power_law(C, L, form: str = "pure", *, n_boot: int = 1000, seed: int = 0
         levels = np.unique(C, return_inverse=True)[1]
         present = np.zeros((n_boot, n_distinct))
         np.add.at(present.T, levels, W.T)  # runs drawn per compute level, per resample
+        # Resamples with too few distinct compute values cannot identify the law: left out, counted.
         valid = (present > 0).sum(axis=1) >= _min_distinct(form)
         Wv = W[valid]
         inits = [best] + [s for s in starts[: max(boot_starts - 1, 0)]]

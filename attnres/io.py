@@ -1,25 +1,9 @@
 """Saving a trained DecoderLM and loading it back, from a folder, a file or an MLflow run.
 
-    save_pretrained(model, "out/model")                  # out/model/{model.safetensors, config.json}
-    model, config = load("out/model")                      # or a file, or an MLflow run id
-    model, config = load("3f2a…c9", tracking_uri="sqlite:///mlflow.db")
+    save_pretrained(model, "out/model")   # model.safetensors (no pickle: loading runs no code) + config.json
+    model, config = load("out/model")     # or a .safetensors/.pt file, an MLflow run id, runs:/<id>
 
-Design decisions:
-- The folder format is `model.safetensors` (weights; no pickle, so loading a stranger's checkpoint
-  runs no code) beside `config.json` = {"model": asdict(ModelConfig), "residual":
-  asdict(ResidualConfig), ...}. Extra top-level keys (the run's `data` and `train` nodes, say) ride
-  along untouched, so an evaluator can find the run's validation split from the checkpoint alone.
-  The same JSON is also stored in the safetensors header, so a lone `.safetensors` file is
-  self-describing.
-- An MLflow run holds that folder as its artifact folder `model/`; `load(run_id)` downloads it into
-  a temporary folder, reads it into memory and removes the folder. mlflow is imported inside the
-  function only: `import attnres` stays torch-only.
-- A torch training checkpoint (`.pt`/`.ckpt`: a dict with the weights under `model` and the config
-  under `config`) is read with `weights_only=True`, i.e. also without running pickled code.
-- Unknown keys in the `model` / `residual` nodes are dropped with a warning rather than refused:
-  a full resolved run config may carry preset keys (learning rate, batch) that are not model shape.
-- Every failure is a `CheckpointError` (a ValueError) whose message is one line naming the path or
-  run and the problem, so a command can print it and exit.
+Every failure is a one-line `CheckpointError` (a ValueError).
 """
 from __future__ import annotations
 
@@ -66,12 +50,14 @@ def save_pretrained(model: torch.nn.Module, directory: Union[str, os.PathLike], 
     clash = {"model", "residual"} & set(extra)
     if clash:
         raise ValueError(f"extra must not redefine {sorted(clash)}: they come from the model itself")
+    # Extra keys (the run's data and train nodes) ride along so an evaluator needs only the checkpoint.
     config = {"model": dataclasses.asdict(model.config), "residual": dataclasses.asdict(model.residual_config), **extra}
     text = json.dumps(config, indent=2, sort_keys=True, default=str)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{WEIGHTS_NAME}.tmp"
     # save_model (not save_file) because tied embeddings share storage, which save_file refuses.
+    # The config also goes into the header, so a lone .safetensors file describes itself.
     save_model(model, str(tmp), metadata={"format": "pt", _METADATA_KEY: text})
     os.replace(tmp, directory / WEIGHTS_NAME)
     tmp = directory / f".{CONFIG_NAME}.tmp"
@@ -213,7 +199,7 @@ def absolute_sqlite(uri: str) -> str:
 
 def _read_mlflow(run_id: str, folder: str, tracking_uri: Optional[str]) -> tuple[dict, dict]:
     try:
-        import mlflow
+        import mlflow  # imported here only, so `import attnres` stays torch-only
         from mlflow.exceptions import MlflowException
     except ImportError:
         raise CheckpointError(f"{run_id}: looks like an MLflow run id, but mlflow is not installed") from None
@@ -288,6 +274,7 @@ def _known_fields(cls, node: Any, where: str, name: str) -> dict:
     if not isinstance(node, dict):
         raise CheckpointError(f"{where}: config section '{name}' is not a mapping")
     names = {f.name for f in dataclasses.fields(cls)}
+    # Warn, not refuse: a full resolved run config carries preset keys (learning rate, batch) too.
     unknown = sorted(set(node) - names)
     if unknown:
         warnings.warn(f"{where}: ignoring keys of '{name}' that are not {cls.__name__} fields: {unknown}", stacklevel=3)

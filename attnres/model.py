@@ -2,8 +2,8 @@
 
 The model owns the embedding, the flat list of sublayers (attention, MLP, attention, MLP, …), the
 final RMSNorm and the LM head; the residual module owns everything in between, so the model never
-writes `x = x + f(x)`. Parameter and FLOP counting are methods of the model, as in nanochat's
-gpt.py, so the harness and the analysis never re-derive them.
+writes `x = x + f(x)`. Parameter and FLOP counting are methods of the model, so the harness and
+the analysis never re-derive them.
 """
 from __future__ import annotations
 

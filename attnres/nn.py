@@ -1,30 +1,10 @@
-"""The PyTorch RFC's integration form: attention residuals inside your own `nn.TransformerEncoder`.
+"""Attention residuals inside your own `torch.nn.TransformerEncoder`, as a drop-in subclass.
 
-    from attnres.nn import TransformerEncoder
     layer = torch.nn.TransformerEncoderLayer(512, 8, batch_first=True, norm_first=True)
-    enc = TransformerEncoder(layer, num_layers=6, norm=torch.nn.LayerNorm(512),
-                             residual="block_attention", attn_residual_num_blocks=4)
-    out = enc(src, mask=mask, src_key_padding_mask=padding, is_causal=True)
-    out, weights = enc(src, return_weights=True)        # weights: (2·num_layers + 1, B, T, columns)
+    enc = TransformerEncoder(layer, num_layers=6, residual="block_attention", attn_residual_num_blocks=4)
+    out, weights = enc(src, is_causal=True, return_weights=True)  # weights: (2·num_layers + 1, B, T, columns)
 
-Design decisions:
-- A subclass of `torch.nn.TransformerEncoder`: the layers are built (deep-copied) by torch exactly as
-  before, so `state_dict()` keys of the layers, `enc.layers`, `enc.norm` are unchanged, and
-  `residual="standard"` *is* torch's forward (fast path, nested tensors and all).
-- The other forms hand the layers to the core's `BlockAttentionResidual` / `FullAttentionResidual`
-  (`attnres.residuals.base.encoder_sublayers` splits each norm_first layer into its attention and
-  feed-forward sublayers, so num_layers encoder layers are 2·num_layers sublayers). There is no
-  second implementation of the depth read here. PostNorm layers (norm_first=False) are refused:
-  attention over depth mixes raw sublayer outputs, which PostNorm does not produce.
-- The encoder's `norm` is applied after the residual's output read, as torch applies it after the
-  last layer; with norm_first layers you want one (torch's own advice for PreNorm stacks).
-- Masks are converted to float (-inf where masked) as torch's encoder does, so bool and float
-  masks mix. `is_causal=True` without a mask builds the causal mask (torch raises instead);
-  `is_causal=None` with a mask detects a causal mask as torch does. Depth attention is per
-  position, so masked positions stay masked through every read.
-- The nested-tensor fast path is torch's; the attention forms disable it (they need dense tensors
-  to mix sublayer outputs), which only changes what padded positions hold: torch's fast path
-  returns zeros there, the dense forms return whatever the layers computed.
+`residual="standard"` is torch's own forward; the other forms hand torch's layers to the core's residuals.
 """
 from __future__ import annotations
 
@@ -59,11 +39,13 @@ class TransformerEncoder(nn.TransformerEncoder):
     ) -> None:
         if residual not in RESIDUALS:
             raise ValueError(f"residual={residual!r} is not allowed; allowed: {', '.join(RESIDUALS)}")
+        # Depth attention mixes raw sublayer outputs, which PostNorm layers do not produce.
         if residual != "standard" and not getattr(encoder_layer, "norm_first", False):
             raise ValueError(
                 f"residual={residual!r} needs PreNorm layers: build the TransformerEncoderLayer with norm_first=True"
             )
-        # The dense residual forms cannot use torch's nested-tensor fast path.
+        # The dense residual forms cannot use torch's nested-tensor fast path; only padded positions
+        # differ (torch's fast path returns zeros there, the dense forms what the layers computed).
         super().__init__(
             encoder_layer, num_layers, norm=norm,
             enable_nested_tensor=enable_nested_tensor and residual == "standard", mask_check=mask_check,
@@ -100,7 +82,7 @@ class TransformerEncoder(nn.TransformerEncoder):
         """As torch's forward; `return_weights=True` (attention forms only) also returns the depth
         weights, (2·num_layers + 1 readers, *src.shape[:-1], columns), rows the sublayers
         (attention, feed-forward, …) then the output read."""
-        if is_causal and mask is None:
+        if is_causal and mask is None:  # torch raises here; building the causal mask is what was meant
             seq_len = src.shape[1 if self.layers[0].self_attn.batch_first else 0] if src.dim() == 3 else src.shape[0]
             mask = nn.Transformer.generate_square_subsequent_mask(seq_len, device=src.device, dtype=src.dtype)
         if self.attn_residual is None:
@@ -116,7 +98,7 @@ class TransformerEncoder(nn.TransformerEncoder):
             mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=bool(is_causal),
         )
         out, weights = out if return_weights else (out, None)
-        if self.norm is not None:
+        if self.norm is not None:  # after the output read, as torch applies it after the last layer
             out = self.norm(out)
         return (out, weights) if return_weights else out
 

@@ -1,19 +1,11 @@
 """What the harness costs: its training loop with MLflow logging vs a bare loop, in one process.
 
-    python benchmarks/harness_overhead.py                 # overhead only (about a minute on 2 cores)
-    python benchmarks/harness_overhead.py --cli           # also time `python run.py` and the
-                                                          # design-card multirun (several minutes)
+    python benchmarks/harness_overhead.py                 # overhead only
+    python benchmarks/harness_overhead.py --cli           # also time `python run.py` and a multirun
 
-Both loops train the same model (the default preset unless --model) from the same seed on the
-same batches, with AdamW from model.optimizer_groups, the cosine schedule and gradient clipping.
-The bare loop has nothing else: no Hydra, no MLflow, no progress bar. The harness loop is
-harness.train.Trainer with a real MLflow run (SQLite in a temporary folder), logging every step
-(log_interval=1, the worst case), its progress bar on, and periodic validation, instrumentation and
-checkpoints switched off until the last step (they are work, not overhead; --periodic keeps the
-CPU defaults to show their cost too). Throughput is measured from the end of step 1 to the end of
-step N (the first step pays one-off allocation), rounds alternate bare/harness so that a machine
-shared with other work slows both alike, and the median over rounds is reported.
-Prints figures; asserts nothing.
+Same model, seed, batches and optimizer in both; the harness loop logs every step to a real MLflow
+run, with validation, instrumentation and checkpoints only at the end (--periodic: CPU defaults).
+Rounds alternate so a shared machine slows both alike; medians are reported. Asserts nothing.
 """
 from __future__ import annotations
 
@@ -71,6 +63,7 @@ def bare_loop(spec, data) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
         stamps.append(time.perf_counter())
+    # From the end of step 1: the first step pays one-off allocation.
     return (spec.steps - 1) * spec.tokens_per_step / (stamps[-1] - stamps[0])
 
 

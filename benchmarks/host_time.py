@@ -1,14 +1,12 @@
 """Host time of op_bench's step on the Triton path, without a GPU: every kernel is compiled for a
 GPU architecture (kernel_resources' stand-in driver) and launched as a no-op, on CPU tensors of a
-few tokens, so what is timed is what the host does per step: the residual's Python, autograd, the
-wrappers, allocations, pointer tables, Triton's launcher (on a GPU add the driver's launches and
-the tables' host-to-device copies).
+few tokens, so what is timed is what the host does per step (Python, autograd, wrappers,
+allocations, Triton's launcher); on a GPU add the driver's launches.
 
     python benchmarks/host_time.py                     # both schedules, op_bench's 32 sublayers, S = 4, d 2048
     python benchmarks/host_time.py --profile 20        # and the 20 costliest functions (cProfile)
 
-Why: on an H200 op_bench's step was host-bound (wall 64 ms against 34 ms of kernels, RESULTS.md),
-and host work can be measured and cut on any machine. One thread; medians of --reps steps.
+A step of small reads can be host-bound on a GPU, and host work can be measured on any machine.
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """Registers, spills, barriers and an occupancy estimate of every Triton kernel one training step of
-a model launches, compiled for a GPU architecture on a machine without one (default sm_90a, the
-H100/H200).
+a model launches, compiled for a GPU architecture on a machine without one (default sm_90a).
 
     python benchmarks/kernel_resources.py                                  # block, the 194m shape
     python benchmarks/kernel_resources.py --variant full --d-model 2048 --heads 16
-    python benchmarks/kernel_resources.py --triton BWD_WARPS=16            # the backward at 16 warps
-    python benchmarks/kernel_resources.py --triton FWD_TILE_ELEMS=8192     # any knob of the kernels (model_bench's option)
-    python benchmarks/kernel_resources.py --variant full --layers 12 --triton READER_GROUP=4 --triton BWD_DQ_SECOND_PASS=true
+    python benchmarks/kernel_resources.py --triton BWD_WARPS=16            # any knob of the kernels
 
-Why: on an H200 block's extra step time was its read kernels, the backward 4.2× the forward
-(benchmarks/RESULTS.md); how many programs fit on an SM is what a tile or kernel change moves first,
-and it needs no GPU to read. A stand-in for Triton's active driver reports the target, each launch
-compiles (Triton's own compiler; the counts from the cubin, by the cuobjdump Triton bundles) and
-launches nothing; the
-model's arithmetic runs on CPU tensors and its values mean nothing. Uses Triton internals
-(`triton.runtime.driver.set_active`, `JITFunction.run`): checked with Triton 3.6 and 3.9.
-Occupancy: programs per SM from registers (65,536 a SM) and shared memory (228 KiB), at most 32,
-times warps, over 64 warps; an estimate, not a measurement.
+How many programs fit on an SM is what a tile or kernel change moves first, and reading it needs no
+GPU: a stand-in for Triton's driver compiles each launch (counts from the cubin) and runs nothing;
+the model's values mean nothing. Occupancy is an estimate from registers and shared memory.
 """
 from __future__ import annotations
 
@@ -31,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-REGS_PER_SM, SMEM_PER_SM, MAX_PROGRAMS, MAX_WARPS = 65536, 228 * 1024, 32, 64
+REGS_PER_SM, SMEM_PER_SM, MAX_PROGRAMS, MAX_WARPS = 65536, 228 * 1024, 32, 64  # sm_90's limits
 
 
 class _StandInDriver:
@@ -67,6 +58,7 @@ def compile_only(arch: int) -> dict:
     try:
         from triton.backends.compiler import GPUTarget
 
+        # Triton internals (set_active, JITFunction.run): checked with Triton 3.6 and 3.9.
         driver.set_active(_StandInDriver(GPUTarget("cuda", arch, 32)))
         jit.JITFunction.run  # noqa: B018 (the method replaced below)
     except (ImportError, AttributeError) as e:

@@ -3,23 +3,11 @@ work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, forward + backward of eve
 
     python benchmarks/tile_sweep.py                       # CUDA only
     python benchmarks/tile_sweep.py --fwd 2048,8192 --bwd 1024,4096 --reps 5
-    python benchmarks/tile_sweep.py --reader-groups 1,2,4 --fwd "" --bwd "" --bwd-warps ""
-    python benchmarks/tile_sweep.py --triton BWD_PROGRAMS_PER_SM=8 --config PREFETCH=false \
-        --config PREFETCH=false,BWD_DQ_SECOND_PASS=false     # knobs moved together
+    python benchmarks/tile_sweep.py --triton BWD_PROGRAMS_PER_SM=8 --config PREFETCH=false
 
-First one profiled step of each implementation: the kernels' summed time against the step's wall
-time (a gap is host overhead: launches, pointer tables, autograd) and its costliest kernels. Then
-the knobs of attnres.kernels.triton_kernels, one moved from the defaults at a time, in this order
-(a stage stopped at its time limit has timed the first ones): each switch toggled (triton_kernels.
-SWITCHES, the ones no GPU has timed first: PAIRED_SUMS, the backward's two sums over the channels as
-one reduction; FOLD_RMS_GRAD, the key norm's gradient added in each read's backward; PREFETCH, each
-source's load issued one iteration ahead of its use; BWD_DQ_SECOND_PASS, the backward's query
-gradient from a first or a second read), each BWD_PROGRAMS_PER_SM, each READER_GROUP (readers a
-launch takes at most: the two-phase schedule's phase-1 reads have S and S + 1 readers here),
-BWD_WARPS, FWD_TILE_ELEMS and BWD_TILE_ELEMS (the elements of one [readers, rows, head width] fp32
-tile a program holds). For each, the step's wall time and the read kernels' own time (profiled
-over 3 steps; at this work the step is host-bound, and its wall time moved by ±15% between runs,
-the kernels' time does not carry that noise). --config times knobs moved together instead. Prints
+One profiled step per implementation (kernel time against wall time: the gap is host overhead),
+then each knob of attnres.kernels.triton_kernels moved from the defaults alone (--config: several
+together), timing the step and the read kernels, whose time the host's noise leaves alone. Prints
 a table and writes JSON.
 """
 from __future__ import annotations

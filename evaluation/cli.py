@@ -1,16 +1,10 @@
 """`python -m evaluation <path or run id>`: every evaluation of a trained model in one command.
 
-    python -m evaluation 3f2a…c9                              # held-out loss and bits per byte
-    python -m evaluation 3f2a…c9 --probe                      # + multi-hop accuracy per hop count
-    python -m evaluation 3f2a…c9 --tasks hellaswag,lambada_openai,wikitext
+    python -m evaluation 3f2a…c9 --probe --tasks hellaswag,lambada_openai,wikitext
     python -m evaluation out/model --log-to 3f2a…c9 --tasks wikitext --limit 100
 
-Prints `eval/<task>/<metric> value` lines; with a run (named, or --log-to) the same metrics and
-`eval/<kind>.json` artifacts go into that MLflow run; `--output FILE` also writes them as JSON.
-Bad input (missing checkpoint, unknown run, bad option, unknown task, an --output that cannot be
-a file) is one line on stderr and exit status 2, before anything is evaluated; a failure while
-evaluating or writing is one line and exit status 1, and --output is then absent or the previous
-file, never a half-written one.
+Prints `eval/<task>/<metric> value` lines and logs them into the run; bad input is one line and exit
+status 2 before anything is evaluated, a failure while evaluating one line and exit status 1.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """The depth-map explorer's page: one self-contained HTML file with its data embedded.
 
-Design decisions:
-- No server, no network, no library: vanilla JavaScript draws on <canvas>, the data is a JSON
-  block inside the page (`<script type="application/json">`), so the file opens from disk, from
-  an e-mail, or inside the MLflow UI. MLflow shows HTML artifacts in an iframe sandboxed with
-  `allow-scripts` only (an opaque origin): the page therefore touches no storage, opens no dialog
-  and loads nothing.
-- Weights travel as base64 of little-endian uint16 (w · 65535): a 33 × 48 × 33 map per prompt is
-  100 KB instead of ~400 KB of JSON decimals, at a resolution (1.5e-5) far below what a colour shows.
-- The page reports its own health for tests and for the curious: `body[data-ready]` once drawn,
-  `body[data-cells]` the cells painted, `body[data-heat-rect]` where the heat map's cells are (x,y,w,h
-  in page pixels), `body[data-errors]` uncaught errors (also shown in a red banner), so a headless
-  browser can check it without a debugging protocol.
+Vanilla JavaScript on <canvas>, touching no server, network, storage or dialog: it opens from disk
+and inside MLflow's artifact view (an iframe sandboxed to `allow-scripts`). Weights travel as base64
+uint16 (w · 65535), far finer than a colour shows. The body's data-ready, data-cells, data-heat-rect
+and data-errors attributes let a headless browser check the page.
 """
 from __future__ import annotations
 

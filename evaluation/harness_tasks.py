@@ -1,15 +1,8 @@
 """Running lm-evaluation-harness tasks on a loaded model, and flattening their results.
 
-Design decisions:
-- Tasks run through `lm_eval.simple_evaluate` with the `attnres` adapter wrapping the model
-  already in memory (no second load), so a run evaluated here and through lm_eval's own CLI gives
-  the same numbers.
-- lm-eval names metrics `<metric>,<filter>` ("acc,none", "exact_match,strict-match"); MLflow keys
-  may not hold commas. The filter `none` is dropped ("acc"), any other is appended with an
-  underscore ("exact_match_strict-match"), giving `eval/<task>/<metric>`. Group scores (an
-  aggregate such as mmlu) are flattened the same way. Non-numeric entries ("N/A") are skipped.
-- Public tasks (hellaswag, lambada_openai, wikitext) download their data from the Hugging Face
-  Hub on first use; offline, lm-eval's error is turned into one line naming the task.
+Tasks run through `lm_eval.simple_evaluate` with the `attnres` adapter around the model already in
+memory, so the numbers equal those of lm_eval's own CLI. Public tasks download their data on first
+use; offline, that is one line naming the task.
 """
 from __future__ import annotations
 
@@ -75,6 +68,8 @@ def flatten_metrics(results: dict) -> dict[str, float]:
                     continue
                 if math.isnan(float(value)):
                     continue
+                # MLflow keys may not hold commas: "acc,none" → "acc", "exact_match,strict-match" →
+                # "exact_match_strict-match".
                 metric, _, filt = name.partition(",")
                 key = metric if filt in ("", "none") else f"{metric}_{filt}"
                 out[_KEY.sub("_", f"{task}/{key}")] = float(value)

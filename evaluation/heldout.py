@@ -1,15 +1,8 @@
-"""Held-out loss and bits per byte on a run's validation split.
+"""Held-out loss and bits per byte on a run's validation split, in float32 without autocast.
 
-Design decisions:
-- The windows are `harness.data.val_batches`: fixed, contiguous, non-overlapping windows on the
-  seq_len grid, spread evenly over the split. With training's batch size and batch count
-  (`--as-training`) they are exactly the set behind training's `val/loss`; by default the whole
-  split is scored, the better estimate for comparing runs and variants.
-- Loss is the mean over every predicted token (sum / count, not a mean of batch means, so a
-  smaller last batch is not over-weighted). Bits per byte = total nats / ln 2 / total bytes of the
-  predicted tokens, with each token's byte length from the tokenizer: for the byte-level
-  vocabulary it is loss / ln 2; for GPT-2 it makes models with different tokenizers comparable.
-- Computed in float32 without autocast: evaluation numbers should not depend on the device.
+The windows are training's `harness.data.val_batches` (with `--as-training`, exactly the set
+behind `val/loss`; by default the whole split). Bits per byte divide the nats by each predicted
+token's byte length, so models with different tokenizers compare.
 """
 from __future__ import annotations
 
@@ -45,6 +38,7 @@ def heldout_metrics(
         for x, y in val_batches(val_tokens, batch_size, seq_len, max_batches=max_batches):
             x, y = x.to(device), y.to(device)
             logits, _ = model(x)
+            # Summed over tokens, not a mean of batch means, so a short last batch is not over-weighted.
             nats += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
             count += y.numel()
             if byte_len is not None:

@@ -1,9 +1,7 @@
 """Multi-hop probe accuracy per hop count (the paper's multi-step reasoning claim, in miniature).
 
-Design decision: the probe's settings (hops, n_vars, seed, val_examples) are the run's own when it
-trained on `data.name=multihop`, so its accuracy is on held-out prompts of the distribution it
-learned; for any other run they are the probe defaults (the model then answers zero-shot, a
-number meaningful only in comparison between runs).
+A run trained on `data.name=multihop` is scored on held-out prompts of its own settings; any other
+run gets the probe defaults and answers zero-shot, a number meaningful only between runs.
 """
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
 """What an evaluation command evaluates: a checkpoint folder or file, or an MLflow run.
 
-Resolves the command-line argument once into the model, its config, the MLflow run to log
-results into (when there is one) and the run's data settings.
-
-Design decisions:
-- The run's validation split is rebuilt from the config: `data` (and `train.seq_len`) in the
-  checkpoint's config.json when run.py stored them there, else the run's `config/resolved.yaml`
-  artifact, else the data defaults (the stdlib corpus) with the model's max_seq_len, said on
-  stderr. `--data key=value` overrides any field, for a checkpoint whose data lives elsewhere.
-- Results go to the run named on the command line, or to `--log-to RUN_ID` for a folder; a folder
-  alone is evaluated without logging.
-- Runs are read from the store run.py writes to (harness.resolvers.default_tracking_uri:
-  $MLFLOW_TRACKING_URI, else <project root>/mlflow.db), wherever the command starts, not from
-  MLflow's own default in the working folder; a SQLite store that does not exist is one line,
-  not an empty database left behind.
+Resolves the argument once into the model, its config, the run to log results into (the one named,
+or `--log-to`; a folder alone logs nothing) and the run's data settings: from the checkpoint's
+config, else the run's `config/resolved.yaml`, else the defaults, said on stderr.
 """
 from __future__ import annotations
 
@@ -39,6 +28,7 @@ class Source:
 
 def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_to: Optional[str] = None) -> Source:
     """Load the checkpoint or run `arg`; raise CheckpointError with one line if it cannot be."""
+    # run.py's store wherever the command starts, not MLflow's default in the working folder.
     tracking_uri = absolute_sqlite(tracking_uri) if tracking_uri else default_tracking_uri()
     if log_to is not None and parse_run_reference(log_to) is None:
         raise CheckpointError(f"--log-to {log_to!r}: not an MLflow run id (32 hex characters)")
@@ -47,7 +37,7 @@ def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_t
         from harness.tracking_store import prepare_server, sqlite_path
 
         db = sqlite_path(tracking_uri)
-        if db is not None and not db.exists():
+        if db is not None and not db.exists():  # MLflow would leave an empty database behind
             raise CheckpointError(
                 f"run {(run or parse_run_reference(log_to))[0]}: no MLflow store at {tracking_uri} (no such file); "
                 "allowed: --tracking-uri or $MLFLOW_TRACKING_URI naming the store the run was logged to "

@@ -1,15 +1,8 @@
 """Text ↔ token ids for evaluating a checkpoint: the byte-level vocabulary, or GPT-2 BPE.
 
-Design decisions:
-- The tokenizer is decided by the model's vocabulary, because a checkpoint does not name its
-  tokenizer: 256 ≤ vocab < 50257 is byte-level (UTF-8 bytes are the ids; a larger vocabulary only
-  pads the embedding), vocab ≥ 50257 is GPT-2 BPE (the only BPE `harness.data.prepare` writes;
-  nanoGPT pads it to 50304). Either can be forced by name ("bytes", "gpt2").
-- End of text is byte 0 for bytes and 50256 for GPT-2: what `harness.data.prepare` puts before
-  every document. The token that conditions an empty context (`prefix_id`) is that same token for
-  corpora with document separators (shards, nanogpt); byte-level models trained on files or the
-  multi-hop probe never saw byte 0, so there it is the newline, which starts their lines.
-- `token_bytes` (bytes of each id) lets bits per byte be counted exactly for either vocabulary.
+A checkpoint does not name its tokenizer, so its vocabulary decides: 256 ≤ V < 50257 is bytes,
+V ≥ 50257 GPT-2 BPE (padded sizes such as 50304 included); either can be forced by name.
+`token_bytes` gives each id's bytes, so bits per byte are exact for both.
 """
 from __future__ import annotations
 
@@ -99,7 +92,9 @@ def tokenizer_for(vocab_size: int, name: Optional[str] = None):
 
 
 def prefix_id(tokenizer, config: dict) -> int:
-    """The token that stands for "start of text" (see the module docstring)."""
+    """The token that stands for "start of text": the document separator harness.data.prepare
+    writes (byte 0, GPT-2's 50256), except for byte-level models trained on files or the probe,
+    which never saw byte 0 and start their lines after a newline."""
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     if tokenizer.name == "bytes" and data.get("name") not in ("shards", "nanogpt"):
         return ord("\n")

@@ -1,12 +1,8 @@
 """Writing evaluation results back into the MLflow run that trained the model.
 
-Design decisions:
-- Metrics are `eval/<task>/<metric>` at step 0, logged with the client API into the existing run
-  (finished or not: no run is started, resumed or ended, so the run's status and end time stay
-  training's). Re-evaluating logs a newer value at the same step, which MLflow shows as latest.
-- Each evaluation also stores the full results as `eval/<name>.json` (heldout, probe, lm_eval):
-  the same name is overwritten by a later evaluation of the same kind, so the artifacts hold
-  one current answer per kind rather than a pile of timestamped files.
+The client API logs into the existing run without starting, resuming or ending it, so its status
+and end time stay training's. A later evaluation of the same kind logs newer values (shown as
+latest) and overwrites `eval/<kind>.json`: one current answer per kind.
 """
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
 """Hydra's composition errors as one line, `error: <key>=<value>: <what is wrong>; allowed: <...>`,
 and exit code 2 — the harness's form for bad input (docs/RELIABILITY.md).
 
-A misspelt key, a wrong type, an unknown group option or a missing `+` are found by Hydra while it
-composes the config; Hydra prints its own report (several lines, a config search path, a hint about
-HYDRA_FULL_ERROR) and exits 1, which a script cannot tell from a crash.
-
-Design decisions:
-- **Translate Hydra's errors where Hydra reports them, rather than compose a second time up front.**
-  `install()` wraps `hydra._internal.utils.run_and_report`, the function through which `@hydra.main`
-  runs every composition (the run, the multirun's master config, `--cfg`). A composition error is
-  printed as one line and the process exits 2; everything else goes to Hydra's own report
-  unchanged. The alternative — composing once with `hydra.compose` before `@hydra.main` — would
-  need its own reading of the command line (flags, `--config-dir`, sweep syntax that only a
-  sweeper understands) and would compose every run twice, for the same errors. The price is one
-  private name of Hydra (pinned `<1.4` in pyproject.toml); if it ever moves, `install` leaves
-  Hydra alone and its own report comes back (tests/test_reliability_bad_input.py would say so).
-- The jobs of a multirun are composed later, per job, so the multirun callback composes them up
-  front (`harness.callbacks.validate_jobs`; the Optuna sweeper's `check_jobs` hook) and hands
-  their errors to `exit_if_composition_error` too.
-- `describe` reads what Hydra and OmegaConf attach to the error (the override's text, the node's
-  type, a group's options) and otherwise keeps Hydra's words on one line. It only answers for
-  composition errors (Hydra's ConfigCompositionException and OverrideParseException, or an error
-  of Hydra's caused by one), never for a job's own exception: a bug must keep its traceback.
-- Errors that already are one line (`exit_code` attribute: the Optuna sweeper's) are printed as
-  they are, with their exit status, without Hydra's hint after them (`exit_if_one_line`).
-- `HYDRA_FULL_ERROR=1` still gives Hydra's full traceback, for debugging.
+Hydra reports a misspelt key, a wrong type or an unknown option in several lines and exits 1, which
+a script cannot tell from a crash. Only composition errors are translated: a job's own exception
+keeps its traceback, and `HYDRA_FULL_ERROR=1` still gives Hydra's report.
 """
 from __future__ import annotations
 
@@ -43,7 +22,11 @@ GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic"
 
 
 def install() -> None:
-    """Make `@hydra.main` print composition errors as one line and exit 2 (idempotent)."""
+    """Make `@hydra.main` print composition errors as one line and exit 2 (idempotent).
+
+    Wraps Hydra's private `run_and_report`, through which every composition runs: composing once
+    more up front would need a second reading of the command line (sweep syntax, --config-dir).
+    Should the name move, Hydra's own report comes back (the bad-input tests would say so)."""
     try:
         import hydra._internal.utils as hydra_utils
 

@@ -1,37 +1,10 @@
 """Data-parallel training over the processes of a torchrun launch: the process group, the
 wrapped model, and the few collectives the training loop needs.
 
-    torchrun --standalone --nproc_per_node=8 run.py model=194m train=gpu   # docs/DISTRIBUTED.md
+    torchrun --standalone --nproc_per_node=8 run.py model=194m train=gpu
 
-Design decisions:
-- **N processes compute what one computes.** train.batch_size stays the global batch; each rank
-  trains on its contiguous slice of the very batch one process would draw
-  (`harness.data.batches.rank_batch_iterator`) and the gradients are averaged, so the update is
-  the single-process update up to floating-point summation order. The train loss is averaged
-  over ranks and the validation loss is summed over ranks' shards of the single-process
-  held-out set, so the logged numbers are the single-process numbers too (a test checks 1e-5).
-- **One strategy object, three implementations.** The loop calls `Local`'s methods; `Local` is
-  the loop as it was before data parallelism (one process, nothing wrapped, no collective), and
-  `DDP` / `FSDP` override what differs. The single-process path therefore runs the same code
-  and speed as before.
-- **DDP** (DistributedDataParallel): gradients all-reduced once per optimizer step (no_sync on
-  the earlier micro-batches); the parameters start equal (same seed, and DDP broadcasts rank 0's).
-- **FSDP2** (`torch.distributed.fsdp.fully_shard`): each sublayer is a unit, the root holds the
-  embedding, head, norm and the residual's mixing parameters. Gradients are reduce-scattered
-  after every micro-batch (memory over traffic: that is what FSDP is chosen for). Weights stay
-  fp32 with the same autocast as DDP, so both modes compute the same numbers. The optimizer is
-  built on the sharded parameters; Muon is refused (it orthogonalises whole matrices).
-- **One checkpoint format.** Under FSDP the model and optimizer states are gathered to full,
-  unsharded CPU tensors on rank 0 and the optimizer state relabelled to torch's own per-index
-  layout, so a checkpoint is the same file whatever the mode and world size: a run resumes
-  on another number of GPUs, in the other mode, or on one process, and `attnres.load` reads it.
-- **Decisions are collective.** Everything that ends or branches the loop on one rank must end
-  it on all, or the others wait in a collective forever: the step's loss (non-finite → stop),
-  a SIGTERM seen by any rank (→ all checkpoint and stop after the same step, packed into the
-  loss's all-reduce: no extra sync), non-finite weights before a checkpoint, whether the run
-  was already finished, and the step a resume starts from.
-- **Uneven held-out shards are padded** with batches of weight 0, so every rank runs the same
-  number of forward passes (an FSDP forward is a collective).
+N processes compute what one computes (same batches, averaged gradients, one checkpoint format),
+and whatever ends or branches the loop is decided collectively; docs/DISTRIBUTED.md says how.
 """
 from __future__ import annotations
 
@@ -73,8 +46,8 @@ def process_group(spec: RunSpec):
     finally:
         # The model's DDP wrapper holds the group too. Left for the interpreter's last garbage
         # collection, it would destroy the group at exit, where the gloo worker threads can no
-        # longer take the GIL: a measured deadlock after a SIGTERM stop (torchrun then SIGKILLs
-        # the rank after 30 s). Freed here, the wrapper goes while the group is still alive.
+        # longer take the GIL: a deadlock after a SIGTERM stop. Freed here, the wrapper goes
+        # while the group is still alive.
         gc.collect()
         dist.destroy_process_group()
 
@@ -286,7 +259,8 @@ class FSDP(DDP):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def state(self, model, optimizer):
-        """Full (unsharded) CPU states on rank 0, empty dicts elsewhere (a collective: all ranks call)."""
+        """Full (unsharded) CPU states on rank 0, empty dicts elsewhere (a collective: all ranks call),
+        the optimizer's in torch's per-index layout: one checkpoint file whatever the mode and world."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

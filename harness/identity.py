@@ -16,9 +16,8 @@ def override_key(line: str) -> str:
     return line.lstrip("+~").split("=", 1)[0]
 
 
-# A config group all of whose keys are outside the identity (`tracking=off`, which HARNESS.md
-# documents) is outside it too: it named runs `baseline-default-s0 tracking=off`, and an Optuna
-# study continued with it was refused as if its trials computed something else.
+# A config group whose keys are all outside the identity (`tracking=off`) is outside it too, so it
+# neither renames runs nor stops an Optuna study from being continued.
 GROUPS_NOT_IDENTITY = tuple(p[:-1] for p in NOT_IDENTITY if p.endswith("."))
 
 

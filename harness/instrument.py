@@ -1,15 +1,8 @@
 """Training dynamics of a run (paper Figs. 5 and 8): records, metrics and the two end-of-run plots.
 
-Design decisions:
-- A record is the model's own instrumentation (`model.inspect` on a fixed held-out batch, in
-  fp32 and under no_grad) plus `model.grad_norm_per_block()` taken right after the backward pass
-  of the same step, before clipping (the raw gradient magnitude the paper plots). Its layout is
-  RUN_SCHEMA.md's `instrumentation/step_XXXXXXX.json`; variants without depth weights (baseline,
-  hc, mhc, denseformer's fixed scalars are not a softmax) carry `"depth_weights": null`.
-- Records are small (a few floats per block, an L×L matrix), so the whole history stays in the
-  checkpoint: the magnitude plot of a resumed run still shows every instrumentation step.
-- Plots use matplotlib's object API (`Figure`, no pyplot): no global state, no GUI backend, safe
-  in a multirun that runs many jobs in one process.
+A record is `model.inspect` on a fixed held-out batch plus the per-block gradient norms before
+clipping, laid out as docs/RUN_SCHEMA.md's `instrumentation/step_XXXXXXX.json`. Records are small,
+so the whole history rides in the checkpoint and a resumed run still plots every step.
 """
 from __future__ import annotations
 
@@ -60,7 +53,7 @@ def _row_labels(kinds: list[str]) -> list[str]:
 def depth_weights_figure(rec: Record, title: str):
     """Heat map of the depth weights: rows = readers (sublayers, then the output read), columns =
     sources (embedding, then sublayer outputs or blocks), blank where a source is not visible."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # no pyplot: no global state, safe for many jobs in one process
 
     weights = rec["depth_weights"]
     fig = Figure(figsize=(7.5, 6.5), dpi=110)

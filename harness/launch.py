@@ -1,24 +1,9 @@
 """Before Hydra starts, under torchrun: one output folder for all ranks, and no multirun.
 
-Every process of `torchrun --nproc_per_node=N run.py ...` runs run.py, so every process runs
-Hydra, and Hydra names the run's folder from `${now:...}`: N processes started a few
-milliseconds apart straddle a second often enough to write N folders. Design decisions:
-
-- **Rank 0's clock names the folder.** hydra.run.dir uses `${attnres.now:...}` (harness/
-  resolvers.py), which is Hydra's `${now:...}` unless ATTNRES_LAUNCH_TIME holds an agreed start
-  time. Before Hydra parses the command line, rank 0 puts its time in the launch's TCP store
-  (the one torchrun's agent serves at MASTER_ADDR:MASTER_PORT for init_process_group) and every
-  rank reads it back, so all ranks compose the same folder. Nothing is written to the file
-  system to agree, so it works the same on one node and on many, shared disk or not. Without
-  torchrun's agent (a launcher that only sets the variables), rank 0 hosts the store itself, in
-  multi-tenant mode so that init_process_group later reuses it. An explicit hydra.run.dir needs
-  no agreement.
-- **One writer of the folder's files.** Rank 0 writes Hydra's `.hydra/` copy of the config and
-  `run.log`; the other ranks write no `.hydra/` (hydra.output_subdir=null) and log to
-  `run_rank<N>.log` beside it (their own hydra.job.name), so no two processes write one file.
-- **Multirun stays outside torchrun.** `-m` under torchrun would make N processes each launch
-  the whole sweep; it is refused with one line (exit 2). A sweep of distributed runs is a loop of
-  torchrun commands (docs/DISTRIBUTED.md).
+Every rank runs Hydra, and ranks started either side of a second would name different `${now:...}`
+folders, so rank 0's start time goes to all through the launch's TCP store (no shared disk needed).
+Rank 0 alone writes `.hydra/` and `run.log`, the others `run_rank<N>.log`. `-m` under torchrun is
+refused (exit 2): every process would launch the whole sweep.
 """
 from __future__ import annotations
 
@@ -60,7 +45,8 @@ def torchrun_overrides(argv: list[str]) -> list[str]:
 
 
 def agreed_launch_time(timeout_s: float = 300.0) -> str:
-    """Rank 0's time.time() at start, as every rank of the launch reads it from the TCP store."""
+    """Rank 0's time.time() at start, as every rank of the launch reads it from the TCP store.
+    Without torchrun's agent, rank 0 hosts the store, multi-tenant so init_process_group reuses it."""
     from torch.distributed import TCPStore
 
     global _store

@@ -1,17 +1,8 @@
 """Where a run came from: the code (git commit, diff, a source snapshot) and the environment.
 
-Design decisions:
-- The commit alone does not say what ran: a researcher's working tree is usually dirty. The run
-  keeps `git diff HEAD` (staged and unstaged changes to tracked files), the list of untracked
-  files, and a tar.gz snapshot of the project's own source (tracked and untracked-but-not-ignored
-  .py/.yaml/.toml/.md files), which also covers a checkout without git.
-- `code_digest` hashes commit + diff + snapshot. A resumed run compares it with the digest of its
-  first start and records the new code beside the old if they differ, instead of silently
-  mixing two versions of the code in one run.
-- `pip freeze` is read from the installed distributions' metadata (importlib.metadata): the same
-  name==version lines without a pip subprocess (a second or more per job).
-- Everything is computed once per process (a multirun's jobs share it) and never fails a run: a
-  missing git gives a note in the artifact instead of an error.
+A working tree is usually dirty, so the commit is kept with `git diff HEAD`, the untracked files and
+a tar.gz of the project's source; `code_digest` hashes all three, so a resumed run notices changed
+code. Computed once per process, and never fails a run (a missing git is a note).
 """
 from __future__ import annotations
 
@@ -108,6 +99,7 @@ def code_state() -> CodeState:
 
 @functools.lru_cache(maxsize=1)
 def pip_freeze() -> str:
+    """`pip freeze`'s name==version lines from importlib.metadata, without a pip subprocess."""
     lines = set()
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]

@@ -1,24 +1,8 @@
 """Turning a 1-D token tensor into (input, target) batches for training and for validation.
 
-Design decisions:
-- Training batches are random windows of seq_len+1 tokens (input = first seq_len, target = last
-  seq_len), drawn with replacement: no epoch bookkeeping, any corpus size works.
-- Batch i draws its window starts from its own generator, seeded by the pair (seed, i) through
-  numpy's SeedSequence. Batch i is therefore a pure function of (tokens, seed, i): a resumed run
-  that starts at batch i gets exactly the batches the uninterrupted run would have got, with no
-  generator state to save in the checkpoint and no replay of the batches before it. (Pairs, not
-  seed·K + i, so different seeds never share a batch.)
-- Validation uses fixed contiguous windows that do not overlap (window j starts at j·seq_len),
-  spread evenly over the whole split rather than taken from its start, so a capped evaluation still
-  sees every part of the held-out text. Only full batches are returned (every batch weighs the
-  same in an average); a split smaller than one batch gives a single smaller batch.
-- Batches are int64 (what nn.Embedding and cross_entropy take) on the CPU; moving them to the
-  device is the training loop's business (it knows about pinning and non-blocking copies).
-- Data-parallel training (`rank_batch_iterator`) does not define a stream of its own: the global
-  batch of a step is the one a single process draws (the same batches i of the same size), and
-  each rank takes a contiguous slice of it. N processes therefore see exactly the sequences one
-  process sees, whatever N and whatever micro-batch each rank uses, and a run can resume on a
-  different number of processes.
+Batch i of training is a pure function of (tokens, seed, i), so a resumed run, or one spread over
+any number of ranks, sees exactly the sequences of one uninterrupted process; validation is a
+fixed set of non-overlapping windows spread over the split. Batches are int64 on the CPU.
 """
 from __future__ import annotations
 
@@ -35,9 +19,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def _windows(tokens: torch.Tensor, starts: np.ndarray, seq_len: int) -> Batch:
     index = starts[:, None] + np.arange(seq_len + 1)[None, :]
     # The gather runs in numpy: it reads only the rows needed (a memory-mapped shard is not read
-    # whole), handles uint16, and stays single-threaded. torch's CPU indexing and casts go through
-    # its intra-op thread pool, which measured 30-200x slower per batch when the cores are busy
-    # with training (the data path must not compete with the model for threads).
+    # whole), handles uint16, and stays single-threaded, so the data path never competes with the
+    # model for torch's intra-op threads.
     if tokens.device.type != "cpu":  # tokens already on an accelerator: gather there
         w = tokens[torch.from_numpy(index).to(tokens.device)].long()
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
@@ -72,6 +55,7 @@ def batch_iterator(
 
 def _batch_starts(n: int, batch_size: int, seq_len: int, seed: int, i: int) -> np.ndarray:
     """Window starts of batch i: the one definition of the training stream."""
+    # Seeded by the pair, not seed·K + i, so different seeds never share a batch.
     rng = np.random.default_rng([seed % 2**64, i])
     return rng.integers(0, n - seq_len, size=batch_size)  # last start: n - seq_len - 1
 
@@ -122,7 +106,8 @@ def val_batches(
         wanted -= wanted % batch_size
     if wanted <= 0:  # max_batches=0: evaluation switched off
         return []
-    # Evenly spread window indices; distinct because available >= wanted.
+    # Evenly spread window indices (distinct because available >= wanted), so a capped evaluation
+    # still sees every part of the held-out text.
     chosen = (np.arange(wanted, dtype=np.int64) * available) // wanted
     starts = chosen * seq_len
     return [

@@ -1,17 +1,8 @@
 """On-disk cache of tokenised corpora, so that a second run with the same data starts at once.
 
-Design decisions:
-- The key is a hash of what the corpus is built from (source, root, every file's relative path,
-  size and mtime, the split and cap settings, a format version), so it can be computed from a
-  directory listing alone; the expensive part (reading, hashing, tokenising) is what gets skipped.
-  A file edited in place changes its mtime, hence the key.
-- Location: $ATTNRES_CACHE, else $XDG_CACHE_HOME/attnres, else ~/.cache/attnres.
-  ATTNRES_CACHE=off disables the cache.
-- Writes go to a temporary file in the same folder and are renamed into place (atomic on POSIX and
-  Windows), so parallel multirun jobs never read a half-written entry; two writers of one key just
-  both produce the same file.
-- The cache is an accelerator, never a source of failure: an unreadable entry is ignored and
-  rebuilt, an unwritable folder only costs speed (a warning says so).
+The key hashes what a corpus is built from (source, root, settings, each file's path, size, mtime
+and inode), so it costs a directory listing. Entries are renamed into place, so parallel jobs never
+read half of one; the cache never fails a run: a bad entry is rebuilt, an unwritable folder warns.
 """
 from __future__ import annotations
 

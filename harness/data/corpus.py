@@ -1,31 +1,8 @@
 """Byte-level corpora read from files: the Python standard library (the default) and plain text.
 
-Design decisions:
-- The default corpus needs no download: the `.py` files of the running interpreter's standard
-  library (`sysconfig.get_paths()["stdlib"]`). Left out, with the reason:
-  * `site-packages`, `dist-packages`: third-party code that differs between machines;
-  * `test`, `tests`, `idle_test`: test suites (about 17 MB, more than the library itself, and full
-    of generated fixtures; they would dominate the corpus);
-  * `encodings`, `pydoc_data`: generated tables (charmap codecs, a 750 KB dict of help text), highly
-    repetitive; one of them landing in the validation split would make it unrepresentatively easy;
-  * `config-*` folders and `_sysconfigdata*` files: build-time data that records paths of the
-    machine Python was built on, so the same Python version would fingerprint differently;
-  * `__pycache__` and hidden folders.
-  On CPython 3.11.7 this leaves 608 files, 9.9 MB.
-- Files are read in sorted order of their relative POSIX path (the same on every OS).
-- Train/validation split by file (a file is never cut in two, so validation text is unseen code,
-  not the second half of a function seen in training). A file is held out when its path's sha256
-  ranks among the first round(n·val_fraction) of all paths' hashes: deterministic, independent of
-  the order files were found in, and adding a file moves at most one other file between splits.
-  A single file (or a folder holding one) is split by position instead: its last val_fraction of
-  bytes are the validation split.
-- max_bytes caps the train split at (1 - val_fraction)·max_bytes and the validation split at the
-  rest, reading files of each split in order and cutting the last one; the split is decided on the
-  whole corpus first, so a capped run validates on a prefix of the full run's validation files.
-- Tokens are the bytes themselves (vocabulary 256), as a uint8 tensor.
-- The fingerprint hashes, for every file in order, its split, relative path, length and the bytes
-  actually used, so it identifies both the content and the split.
-- The tokenised result is cached on disk (see cache.py), keyed by the directory listing.
+The default needs no download: the running interpreter's stdlib `.py` files, less third-party code,
+tests and generated tables. Files split by a hash of their path (validation is unseen files, not
+halves of seen ones); tokens are the bytes (vocabulary 256). Rules and reasons: docs/DATA.md.
 """
 from __future__ import annotations
 
@@ -41,6 +18,8 @@ import torch
 from . import cache
 from .config import DataError
 
+# Third-party code (differs per machine), test suites (larger than the library, full of fixtures)
+# and generated tables (repetitive, an unrepresentatively easy validation split).
 EXCLUDED_STDLIB_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
 )
@@ -54,8 +33,8 @@ def list_stdlib_files(root: Path) -> list[tuple[str, Path]]:
     """(relative POSIX path, absolute path) of the corpus's `.py` files, sorted."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        # Pruning in place stops os.walk from descending (site-packages alone is often 100× the
-        # library).
+        # Pruning in place stops os.walk from descending into site-packages and the like; config-*
+        # folders and _sysconfigdata record the build machine's paths.
         dirnames[:] = [
             d for d in dirnames
             if d not in EXCLUDED_STDLIB_DIRS and not d.startswith((".", "config-"))
@@ -82,7 +61,8 @@ def list_text_files(root: Path) -> list[tuple[str, Path]]:
 
 
 def held_out(rels: list[str], val_fraction: float) -> set[str]:
-    """The relative paths of the validation files (see the module docstring)."""
+    """The relative paths of the validation files: those whose path's sha256 ranks among the first
+    round(n·val_fraction), independent of listing order; adding a file moves at most one other."""
     n = len(rels)
     n_val = min(n - 1, max(1, round(n * val_fraction)))
     ranked = sorted(rels, key=lambda r: hashlib.sha256(r.encode()).hexdigest())

@@ -1,12 +1,7 @@
 """load_data: one entry point from a DataConfig to checked train/val tokens.
 
-Design decisions:
-- Every check that can fail runs here, before the training loop builds a model: settings,
-  path, format, emptiness, token range, and whether each split holds at least one window of
-  seq_len+1 tokens. A run with bad data therefore stops within a second with a DataError naming the
-  file (or the setting) and the problem, never after minutes of training.
-- The token-range check finds the first file holding a token >= vocab_size, so the message points
-  at the file to fix rather than at "the corpus".
+Every check that can fail runs here, before a model is built, so bad data stops a run within a
+second with a DataError naming the file (or setting) and the problem.
 """
 from __future__ import annotations
 

@@ -3,22 +3,8 @@
     python -m harness.data.prepare --dataset HuggingFaceFW/fineweb-edu --config sample-10BT \\
         --out data/fineweb_edu --max-tokens 200_000_000 [--tokenizer gpt2]
 
-Design decisions:
-- The dataset is streamed (`datasets.load_dataset(..., streaming=True)`), so preparing the first
-  N tokens of a multi-terabyte dataset downloads about N tokens' worth of text, not the dataset.
-- Layout as llm.c's FineWeb script: every document starts with an end-of-text token, the first
-  --val-tokens tokens form the validation shard(s), the rest the training shards, numbered on from
-  there (`{prefix}_val_000000.bin`, `{prefix}_train_000001.bin`, …); documents run across shard
-  boundaries. A `meta.json` beside them records the dataset and the tokenizer, so loading the shards
-  with a too-small data.vocab_size fails with the value to set.
-- Tokenizers: `bytes` (default; vocabulary 256, no extra package, matches the model's default
-  vocab) with byte 0 as end-of-text (NUL bytes inside documents are dropped, so it is unambiguous),
-  or `gpt2` (tiktoken's GPT-2 BPE, vocabulary 50257, end-of-text 50256).
-- Missing pieces (no `datasets`, no `tiktoken`, no network, a wrong field name) end the command with
-  one line saying what is missing and exit status 1, never a traceback. An output folder that
-  already holds shards is refused unless --overwrite, because `data.name=shards` reads every shard
-  in the folder and would silently mix two preparations.
-- The writing half (`write_shards`) takes any iterable of strings, so it is tested without network.
+The dataset is streamed, so N tokens cost about N tokens of download; layout and tokenizers are
+in docs/DATA.md. Anything missing (package, network, field) is one line and exit status 1.
 """
 from __future__ import annotations
 
@@ -41,6 +27,7 @@ class PrepareError(RuntimeError):
 
 def byte_tokenizer() -> tuple[Callable[[str], list[int]], int, int]:
     """(encode, eot, vocab_size) of the byte-level tokenizer."""
+    # NUL bytes inside documents are dropped, so byte 0 marks only the end of text.
     return (lambda text: list(text.encode("utf-8").replace(b"\0", b"")), 0, 256)
 
 
@@ -164,6 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.shard_tokens < 1 or args.val_tokens < 1:
             raise PrepareError("--shard-tokens and --val-tokens must be positive")
         existing = sorted(args.out.glob("*_train_*.bin")) + sorted(args.out.glob("*_val_*.bin"))
+        # data.name=shards reads every shard in the folder: two preparations would mix silently.
         if existing and not args.overwrite:
             raise PrepareError(f"{args.out} already holds shards ({existing[0].name}, …); use another --out or --overwrite")
         encode, eot, vocab = gpt2_tokenizer() if args.tokenizer == "gpt2" else byte_tokenizer()

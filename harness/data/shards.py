@@ -1,25 +1,8 @@
 """Token files that people already have: llm.c / modded-nanogpt shards and nanoGPT train.bin/val.bin.
 
-Formats:
-- llm.c shard: a header of 256 little-endian int32 (magic 20240520, version 1, token count, the rest
-  zero), then that many little-endian uint16 tokens. A folder holds `*_train_*.bin` and
-  `*_val_*.bin` shards, read in sorted name order (llm.c numbers them, val first).
-- nanoGPT: headerless little-endian uint16 `train.bin` and `val.bin` in one folder.
-
-Design decisions:
-- A shard is checked completely from its size and header before any token is used: wrong magic,
-  wrong version, a file shorter than its header, and a token count that disagrees with the file
-  size in either direction (truncated download, or a file that is not what it claims) each stop
-  with a DataError naming the file.
-- A split made of one file is returned memory-mapped (copy-on-write, so the tensor is writable and
-  the file can never be modified through it) and costs no RAM up front; a split made of several
-  files is concatenated into memory, since the API hands out one tensor per split.
-- max_bytes caps the train split at (1 - val_fraction)·max_bytes bytes (2 bytes a token) and the
-  validation split at the rest, taking shards in order and cutting the last.
-- The fingerprint's sha256 covers, for every file in order, its name, token count and the token
-  bytes used. Hashing gigabytes on every start is slow, so per-file digests are memoised in the data
-  cache keyed by the file's path, size, mtime and the range hashed.
-- Writers are atomic (temporary file + rename), like every file this project writes.
+llm.c shard: 256 little-endian int32 of header (magic 20240520, version 1, token count), then the
+uint16 tokens; `*_val_*.bin` and `*_train_*.bin` read in name order. nanoGPT: headerless uint16
+`train.bin` and `val.bin`. Every file is checked from its size and header before a token is used.
 """
 from __future__ import annotations
 
@@ -93,6 +76,7 @@ def write_nanogpt_bin(path: Union[str, Path], tokens: TokensLike) -> Path:
 def _memmap(path: Path, offset: int, count: int) -> torch.Tensor:
     if count == 0:  # numpy cannot map zero bytes
         return torch.empty(0, dtype=torch.uint16)
+    # Copy-on-write: the tensor is writable, the file can never be modified through it.
     arr = np.memmap(path, dtype=TOKEN_DTYPE, mode="c", offset=offset, shape=(count,))
     return torch.from_numpy(arr)
 
@@ -173,7 +157,8 @@ def nanogpt_files(path: Union[str, Path]) -> tuple[Path, Path]:
 
 # --- splits ----------------------------------------------------------------------------------------
 def _digest(path: Path, offset: int, count: int) -> str:
-    """sha256 of `count` tokens at byte `offset`, memoised by the file's identity."""
+    """sha256 of `count` tokens at byte `offset`, memoised by the file's identity (hashing gigabytes
+    on every start is slow)."""
     st = path.stat()
     key = cache.cache_key({"digest": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
                            "offset": offset, "count": count})
@@ -213,7 +198,7 @@ def load_split(
         used += take
     if not parts:
         return torch.empty(0, dtype=torch.uint16), spans
-    if len(parts) == 1:
+    if len(parts) == 1:  # one file stays memory-mapped; several are concatenated (one tensor a split)
         return parts[0], spans
     return torch.from_numpy(np.concatenate([p.numpy() for p in parts])), spans
 

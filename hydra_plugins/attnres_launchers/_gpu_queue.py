@@ -1,18 +1,9 @@
 """The jobs of a multirun on a fixed set of GPUs: one job per GPU at a time, the next job starting
-as soon as a GPU is free.
+as soon as a GPU is free (submitit's own local executor starts every job at once on the same GPUs).
 
-Design decisions:
-* **One fresh process per job**, a submitit local job started with CUDA_VISIBLE_DEVICES set to
-  its GPU: the variable only counts if it is set before CUDA initialises in the process, so
-  neither a thread nor a fork of this process would do. submitit pickles the call, keeps each
-  job's stdout/stderr under ``submitit_folder`` and restarts a job that asks to be requeued.
-  (submitit's own local executor starts every job at once on the same GPUs, hence this queue.)
-* Jobs start in the multirun's order; a freed GPU goes to the next job waiting.
-* A job that ends without a result (killed, or exited 75 after a SIGTERM of its own) is a failed
-  job; the others go on, and Hydra reports the first failure at the end, as with its basic launcher.
-* **No job outlives the multirun.** SIGTERM to this process is passed on to the running jobs
-  (each checkpoints and stops), they are waited for, and the multirun exits 75 (requeue me), as a
-  single run does. Ctrl-C reaches the jobs through the terminal; they are waited for likewise.
+Each job is a fresh submitit process: CUDA_VISIBLE_DEVICES only counts if set before CUDA starts in
+the process, so neither a thread nor a fork would do. No job outlives the multirun: SIGTERM is
+passed on, the jobs checkpoint and are waited for, and the multirun exits 75, as a single run does.
 """
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
 """What a submitit job process does around the Hydra job: checkpoint before a requeue, return a
 result the launching process can load.
 
-Design decisions:
-* **Checkpoint first, then requeue.** submitit's own handler of its preemption/timeout signal
-  (USR2; SLURM sends it ``signal_delay_s`` before the time limit, ``--signal=USR2@…``) pickles
-  the call, requeues the job (``scontrol requeue`` on SLURM; exit 144 locally, which submitit's
-  local controller restarts) and exits at once — mid-step, losing the work since the last
-  periodic checkpoint. While the job has a SIGTERM handler of its own (the harness installs one
-  for the length of training: stop after this step, checkpoint, end the MLflow run KILLED, exit
-  ``REQUEUE_EXIT``), the signal is handed to that handler instead, and submitit's requeue runs
-  once the job has exited with ``REQUEUE_EXIT``. Outside training there is nothing to save:
-  submitit requeues at once. The requeued job reruns the same config, whose run folder holds the
-  checkpoint and the MLflow run id, so it resumes into the same MLflow run.
-* **A plain SIGTERM is not requeued here.** SLURM sends it on preemption (and then requeues the
-  job itself when its PreemptMode says so) and on ``scancel`` (which must stay cancelled); the
-  job checkpoints and exits 75 either way, and SLURM decides.
-* **Results that cross the process boundary must load.** A failed job's exception travels back
-  pickled; one whose constructor takes other arguments than ``args`` and that does not say how
-  to rebuild itself (``__reduce__``, as the harness's NonFiniteLoss does) cannot be unpickled,
-  and the launching process would lose every result. Such an exception is replaced by a
-  RuntimeError carrying its type name and message.
+submitit's own USR2 handler would requeue mid-step, losing the work since the last checkpoint; while
+the job has its own SIGTERM handler, USR2 goes there, and submitit requeues once the job exits with
+REQUEUE_EXIT. A plain SIGTERM is not requeued here: SLURM decides (docs/RELIABILITY.md).
 """
 from __future__ import annotations
 
@@ -41,7 +25,8 @@ def _is_submitit_handler(handler: Any) -> bool:
 
 @contextmanager
 def checkpoint_before_requeue() -> Iterator[None]:
-    """Route submitit's requeue signal through the job's own SIGTERM handler (see above)."""
+    """Route submitit's requeue signal through the job's own SIGTERM handler; outside training
+    (no handler of the job's) there is nothing to save and submitit requeues at once."""
     from submitit.core.job_environment import JobEnvironment
 
     usr_signal = JobEnvironment._usr_sig()
@@ -82,7 +67,8 @@ def export_torch_distributed() -> None:
 
 
 def loadable(job_return: Any) -> Any:
-    """The JobReturn, its exception replaced by a RuntimeError if it would not unpickle."""
+    """The JobReturn, its exception replaced by a RuntimeError if it would not unpickle: one such
+    exception (other constructor arguments, no __reduce__) would lose the launcher every result."""
     error = getattr(job_return, "_return_value", None)
     if isinstance(error, BaseException):
         try:

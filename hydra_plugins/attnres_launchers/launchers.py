@@ -1,12 +1,9 @@
 """The Hydra ``Launcher`` classes: hydra-submitit-launcher's, with the harness's requeue contract.
 
-Design decision: both subclass hydra-submitit-launcher (its pickling of the Hydra job, its SLURM
-parameters) and change only what the harness needs: each job runs inside
-``_job_side.checkpoint_before_requeue`` (submitit's requeue waits for the job's checkpoint) and
-returns a result that loads in the launching process; ``LocalGpusLauncher`` also replaces the
-launch loop with a one-job-per-GPU queue (``_gpu_queue``). Hydra's plugin scan imports this
-module at every start, so submitit and the implementation modules are imported only when a job
-is launched.
+Both keep its pickling of the Hydra job and its SLURM parameters; each job runs inside
+``_job_side.checkpoint_before_requeue`` and returns a result that loads in the launching process, and
+``LocalGpusLauncher`` launches through the one-job-per-GPU queue (``_gpu_queue``). Imported by
+Hydra's plugin scan at every start, so submitit loads only when a job is launched.
 """
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """Trial accounting: which trials count toward a cell's ``n_trials``, and its failure budget.
 
-Design decisions:
-* **Done = complete + pruned + failed.** A failed trial is an honest attempt (a diverging learning
-  rate is a result, not an accident); rerunning it forever would waste the budget.
-* **Void trials do not count.** A trial is void when it was stopped by something other than its
-  own configuration: the user's Ctrl-C / SIGTERM (``interrupted``), a dead worker found by the
-  heartbeat check, or a surplus trial (see below). Void trials stay in the study as FAIL, which
-  samplers ignore, and the next run of the sweep replaces them. The sweeper marks a *genuine*
-  failure with the user attribute ``attnres.failure`` (the reason); a FAIL without it is void.
-  That also covers trials failed by Optuna's stale-trial check, which cannot be annotated.
-* **Several workers, exactly n_trials.** A worker starts a trial only while done + running is
-  below n_trials; two workers can still pass that check at the same moment. Trial numbers are
-  assigned by the storage, one per trial, so each worker then checks its trial's rank among the
-  counting trials: past n_trials it is surplus and is voided before any job runs.
+Done = complete + pruned + failed: a diverging learning rate is a result, not an accident. Void
+trials (interrupted, a dead worker, surplus) stay in the study as FAIL without ``attnres.failure``,
+which samplers ignore, and are run again.
 """
 
 from __future__ import annotations
@@ -28,6 +18,7 @@ VOID_ATTR = "attnres.void"
 
 
 def is_genuine_failure(trial: FrozenTrial) -> bool:
+    # Marked by the sweeper; a FAIL without the mark is void (also one failed by Optuna's stale check).
     return trial.state == TrialState.FAIL and FAILURE_ATTR in trial.user_attrs
 
 
@@ -73,7 +64,10 @@ class Ledger:
 
 
 def rank(trials: Iterable[FrozenTrial], number: int) -> int:
-    """1-based position of trial ``number`` among the counting trials, in trial-number order."""
+    """1-based position of trial ``number`` among the counting trials, in trial-number order.
+
+    Two workers can both pass `to_start` at once; the storage numbers trials uniquely, so a trial
+    ranked past n_trials is surplus and is voided before its job runs."""
     return sum(1 for t in trials if t.number <= number and counts(t))
 
 

@@ -1,22 +1,9 @@
 """The sweep loop: for each grid cell, open its study and run trials as Hydra jobs until it is full.
 
-Design decisions:
-* **Ask/tell, one job per trial, through Hydra's launcher.** Each trial is one ``launcher.launch``
-  call with that trial's overrides, so jobs get Hydra's usual folders, logs and callbacks. While
-  the job runs, the live ``optuna.Trial`` is bound in ``harness.pruning`` (the basic launcher runs
-  the job in this process); see that module for the contract with the training loop.
-* **Parallel = several workers on one storage.** Running the same command twice (or on two
-  machines with a PostgreSQL URL) makes two workers; they share each study, never exceed its
-  ``n_trials`` (see ``_ledger``), and move on to the next cell together.
-* **Outcomes.** A returned float completes the trial. ``TrialPruned`` (ours or Optuna's) prunes it.
-  Any other exception, or a non-finite value, fails it: recorded with its reason, the sweep goes on
-  until a cell has more failures than ``max_failure_rate`` allows. A task that returns nothing
-  usable (``None``) stops the sweep at once: every trial would fail the same way.
-* **Interrupts.** Ctrl-C (and SIGTERM, turned into the same) voids the running trial, writes the
-  summary and stops with one line; running the same command again finishes the remaining trials
-  only.
-* Job numbers are Optuna trial ids, which are unique in the storage: reruns and workers sharing
-  one sweep folder never write into each other's job folders.
+Ask/tell, one ``launcher.launch`` per trial, so jobs get Hydra's usual folders, logs and callbacks,
+with the live trial bound in ``harness.pruning``. Several workers share one storage (``_ledger``
+keeps each study at ``n_trials``). A failed trial is recorded and the sweep goes on up to
+``max_failure_rate``; a task returning ``None`` stops it, since every trial would fail alike.
 """
 
 from __future__ import annotations
@@ -326,7 +313,8 @@ class SweepRunner:
             overrides.append(f"++{s.mlflow.parent_run_key}={parent}")
         trial.set_user_attr("attnres.overrides", overrides)
         before = last_run_id()
-        # Optuna has no public trial id; it is the storage-wide unique number we want.
+        # Optuna has no public trial id; it is the storage-wide unique number we want, so reruns and
+        # workers sharing a sweep folder never write into each other's job folders.
         trial_id = trial._trial_id
         try:
             with heartbeat(storage, trial_id, s.heartbeat_interval), pruning.bind(trial):

@@ -1,18 +1,9 @@
 """From Hydra override syntax to a plan: fixed overrides, grid cells, and Optuna search dimensions.
 
-Design decisions:
-* **A comma list is a grid, never a search dimension.** ``residual=block,full`` (or ``glob(...)``)
-  means "each of these", so it becomes one Optuna study per cell. Searching over a categorical is
-  asked for explicitly with ``choice(...)``. This is the difference from the stale
-  hydra-optuna-sweeper, which turned every list into a categorical dimension.
-* **Search syntax is Hydra's own:** ``interval(a, b)`` is a float (``tag(int, ...)``: an integer),
-  ``range(start, stop[, step])`` an integer or stepped float over Python's range (stop excluded),
-  ``choice(...)`` a categorical; ``tag(log, ...)`` samples in log space.
-* ``hydra.sweeper.params`` entries are parsed exactly like command-line overrides; a command-line
-  override of the same key replaces the params entry. Nested params (``optim: {lr: ...}``) are
-  flattened to dotted keys, so both spellings work.
-* Every job gets plain ``key=value`` overrides (Hydra's own string forms), so what a job ran is
-  visible in its ``overrides.yaml`` like any Hydra job.
+A comma list (or ``glob(...)``) is a grid, one study per cell, never a search dimension; searching
+is asked for with Hydra's ``interval``, ``range``, ``choice`` and ``tag(log, ...)``. Params entries
+parse like command-line overrides (which replace them), and every job gets plain ``key=value``
+overrides, visible in its ``overrides.yaml``. Syntax table: docs/SWEEPER.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Where studies live: the storage URL, opening it safely from many processes, trial heartbeats.
 
-Design decisions:
-* **SQLite file by default, any SQLAlchemy URL otherwise.** ``optuna.db`` beside ``mlflow.db`` in
-  the directory the sweep starts from: the same command run again finds the same studies, which is
-  what makes rerunning a sweep continue it. Relative SQLite paths are made absolute once, so a job
-  that changes directory (``hydra.job.chdir``) cannot open a second, empty database.
-* **First use of a SQLite file is serialised with a lock.** Two workers that start at once on a
-  fresh file would otherwise both create the schema and one of them fails (the same trap as
-  MLflow's SQLite store, see ECOSYSTEM.md; the sweeper's MLflow client and every job's take the
-  same lock). The lock is ``flock`` on the database's folder (``harness.tracking_store.folder_lock``):
-  enough on one machine, which is the only place a SQLite file can be shared anyway, and it leaves
-  no lock file behind.
-* **On a database server, first use is retried instead.** Two workers that start at once on a
-  fresh PostgreSQL database both create Optuna's tables and stamp its schema version; the loser
-  gets a unique-key violation (seen in tests/test_reliability_postgres.py). The server's own
-  transactions keep the winner's schema whole, so the loser only has to open the storage again.
-* SQLite waits up to 60 s for a lock held by another worker instead of failing at once, and runs
-  in WAL mode with ``synchronous=NORMAL``: workers read while another writes, and a commit does
-  not wait for the disk (safe against a crashed process; only a power cut can lose the last
-  commits). A sweep makes dozens of small commits per trial, which otherwise cost seconds.
-* **Heartbeats** tell a live trial from one whose worker died (killed, machine lost): a trial
-  silent for the grace period is failed by the next worker and run again. Optuna only beats
-  inside ``Study.optimize``; the sweeper uses ask/tell, so it runs its own small beating thread.
+Default ``optuna.db`` beside ``mlflow.db`` where the sweep starts, so the same command continues
+the same studies; any SQLAlchemy URL otherwise. Workers starting together take turns creating a
+fresh SQLite file (a lock) and retry on a fresh server database; heartbeats tell a live trial
+from one whose worker died.
 """
 
 from __future__ import annotations
@@ -57,7 +39,8 @@ SERVER_INIT_ATTEMPTS = 5  # opening a server storage whose schema another worker
 
 
 def resolve_url(storage: str | None, base_dir: Path) -> str:
-    """The storage URL to use, with a relative SQLite path made absolute against ``base_dir``."""
+    """The storage URL to use, with a relative SQLite path made absolute against ``base_dir`` (a job
+    that changes directory must not open a second, empty database)."""
     url = storage or f"sqlite:///{DEFAULT_STORAGE_FILE}"
     try:
         make_url(url).get_dialect()  # an unknown database kind (`postgres://`, a typo) too
@@ -91,7 +74,11 @@ def absolute_sqlite(url: str, base_dir: Path) -> str:
 
 
 def sqlite_init_lock(url: str) -> ContextManager[object]:
-    """An inter-process lock for creating a SQLite database at ``url``; no-op for servers."""
+    """An inter-process lock for creating a SQLite database at ``url``; no-op for servers.
+
+    Two workers creating one fresh file's schema at once would make one fail. ``flock`` on the
+    folder (the lock the MLflow stores take) is enough on the one machine a SQLite file can be
+    shared on, and leaves no lock file behind."""
     try:
         parsed = make_url(url)
     except ArgumentError:
@@ -141,6 +128,8 @@ def _open_storage(
 
 
 def _sqlite_pragmas(connection: Any, record: Any) -> None:
+    # WAL: workers read while another writes; NORMAL: a commit does not wait for the disk (only a
+    # power cut can lose the last commits), which matters at dozens of small commits per trial.
     cursor = connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
@@ -163,7 +152,8 @@ def fail_stale_trials(study: optuna.Study) -> list[FrozenTrial]:
 
 @contextmanager
 def heartbeat(storage: optuna.storages.RDBStorage, trial_id: int, interval: int) -> Iterator[None]:
-    """Record the trial's heartbeat every ``interval`` seconds while the block runs."""
+    """Record the trial's heartbeat every ``interval`` seconds while the block runs (Optuna beats
+    only inside ``Study.optimize``, which ask/tell does not use)."""
     stop = threading.Event()
 
     def beat() -> None:

@@ -1,26 +1,8 @@
 """MLflow for studies: a parent run per study, its trials' runs as children, results on the parent.
 
-Design decisions:
-* **MlflowClient only, never the fluent API, for the sweeper's own runs.** With Hydra's basic
-  launcher the trial's job runs in this same process and uses ``mlflow.start_run``; a parent run
-  made active here would collide with it. The job learns its parent through the override
-  ``++tracking.parent_run_id=<id>`` and nests its own run under it.
-* **One parent per study, across reruns and workers.** Its run id is kept in the study (user
-  attribute ``mlflow.parent_run_id``), so a resumed sweep or a second worker reuses it. Only the
-  process that created the study makes the parent run; the others wait for the attribute.
-* **Best params and value as metrics and tags, not params.** MLflow params are write-once, while a
-  resumed study's best changes. ``best/value`` and ``best/<param>`` are metrics (step = trials
-  done, so their history shows convergence, and they are columns in the runs table);
-  ``best.params`` (JSON) and ``best.trial`` are tags. The grid cell's values (``residual`` ...),
-  which never change for a study, are params.
-* **The trial's run is found in-process** as the last run this process started
-  (``mlflow.last_active_run``) whose parent is the study's parent run, and tagged
-  ``attnres.role=trial``, ``optuna.trial_number``, ``optuna.state``. Status tags the training loop
-  already set are kept; missing ones are filled in (a pruned run is then ``KILLED``,
-  ``attnres.status=PRUNED``, ``pruned=true``).
-* Plots are Optuna's own (``optuna.visualization.matplotlib``): optimisation history, parameter
-  importances, slice, and intermediate values when trials reported any. A plot that cannot be
-  drawn (too few trials) is skipped; a plot never stops a sweep.
+The sweeper's own runs use MlflowClient only, never the fluent API: with Hydra's basic launcher the
+trial's job runs in this process and calls ``mlflow.start_run`` itself. One parent per study, its
+id kept in the study, so reruns and workers share it; what MLflow shows: docs/SWEEPER.md.
 """
 
 from __future__ import annotations
@@ -229,6 +211,7 @@ class StudyTracker:
 
     # -- results on the parent ----------------------------------------------------------------
 
+    # Best value and params as metrics and tags: MLflow params are write-once, a resumed study's best is not.
     def update_parent(self, parent_id: str, study: optuna.Study, status: str) -> None:
         from mlflow.entities import Metric
 

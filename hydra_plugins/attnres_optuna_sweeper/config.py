@@ -1,17 +1,9 @@
 """The sweeper's configuration: its schema, its registration with Hydra, and its validation.
 
-Selected with ``hydra/sweeper=attnres_optuna``; every field below is then ``hydra.sweeper.<field>``.
-
-Design decisions:
-* A structured config (dataclasses) rather than free dicts, so that a mistyped option
-  (``hydra.sweeper.n_trails=8``) is refused by Hydra before anything runs. Each sampler and pruner
-  option that people actually tune is a field; ``kwargs`` passes anything else to the Optuna class.
-* Validation that Hydra's types cannot express (allowed names, ranges) lives here too and raises
-  ``SweeperConfigError``, a ``CompactHydraException``: Hydra prints it as one line, no traceback.
-* This module is imported by Hydra's plugin scan at every start of every Hydra app, sweep or not,
-  so it imports nothing heavy (no optuna, no mlflow). No ``from __future__ import annotations``
-  either: the scan runs this module before registering it in ``sys.modules``, and dataclasses
-  cannot resolve string annotations then.
+Selected with ``hydra/sweeper=attnres_optuna``; every field below is then ``hydra.sweeper.<field>``,
+and a mistyped one is refused before anything runs. Hydra's plugin scan imports this module at every
+start, so it imports nothing heavy, and has no ``from __future__ import annotations`` (dataclasses
+cannot resolve string annotations while the scan runs it).
 """
 
 from dataclasses import dataclass, field
