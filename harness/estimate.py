@@ -52,8 +52,8 @@ import itertools
 import json
 import math
 import sys
-from collections.abc import Sequence
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
