@@ -336,7 +336,7 @@ _TEMPLATE = r"""<!DOCTYPE html>
     if (e.key === "ArrowRight" && state.token < p.T - 1) { state.token += 1; update(false); }
   });
 
-  // A view can be linked: #prompt=1&token=5&row=3&view=avg&rows=attn,out&stretch=1
+  // A view can be linked: #prompt=1&token=5&row=2&view=avg&rows=attn,out&stretch=1
   (function applyHash() {
     var args = {};
     window.location.hash.replace(/^#/, "").split("&").forEach(function (kv) {

@@ -1,12 +1,11 @@
 """The lm-evaluation-harness model `attnres`: any checkpoint or MLflow run as an lm-eval LM.
 
-    lm_eval --model attnres --model_args pretrained=<path or run id> --tasks hellaswag
+    attnres-lm-eval --model attnres --model_args pretrained=<path or run id> --tasks hellaswag
     lm_eval.simple_evaluate(model=AttnResLM(pretrained=...), tasks=[...])     # in Python
 
-Importing this module registers the name `attnres` in lm-eval's model registry. lm-eval 0.4.13
-discovers models only by import (its registry has no plugin entry points). For the stock `lm_eval`
-command, the installed start-up hook (attnres_lm_eval_hook.py) registers this class lazily, by
-name, from the project's `lm_eval.models` entry point (docs/EVALUATION.md).
+Importing this module registers the name `attnres` in lm-eval's model registry: lm-eval 0.4.13
+discovers models only by import, so `attnres-lm-eval` (evaluation/lm_eval_cli.py) imports it
+before handing over to lm-eval's CLI (docs/EVALUATION.md).
 
 Design decisions:
 - lm-eval's own models (hf, vllm, ...) are registered before `attnres`. lm-eval's `get_model`

@@ -1,16 +1,14 @@
 """`lm_eval`'s own command line with the `attnres` model registered.
 
-    python -m evaluation.lm_eval_cli --model attnres --model_args pretrained=<path or run id> \
+    attnres-lm-eval --model attnres --model_args pretrained=<path or run id> \
         --tasks hellaswag,lambada_openai,wikitext [any other lm_eval option]
+    python -m evaluation.lm_eval_cli ...    # the same, also from a checkout (PYTHONPATH=.)
 
-lm-eval 0.4.13 finds models only through its registry, filled by importing the module that
-defines them. An installed project makes the stock `lm_eval` command find `attnres` through its
-start-up hook (attnres_lm_eval_hook.py). This wrapper does not depend on that hook, so it also
-works from a checkout that is not installed (PYTHONPATH=.). It imports the adapter and then hands
-the unchanged arguments to lm-eval's CLI, so every lm_eval option and output is exactly lm_eval's.
-(A console script `attnres-lm-eval` pointing at `main` gives the same command a shorter name.)
-Results are not logged to MLflow here: `python -m evaluation RUN --tasks …` does that.
-A `pretrained=` that cannot be loaded is one line and exit status 2.
+lm-eval 0.4.13 finds models only in its registry, filled by importing the module that defines
+them, so this imports the adapter and hands the unchanged arguments to lm-eval's CLI: every
+lm_eval option and output is lm_eval's. Results are not logged to MLflow here
+(`python -m evaluation RUN --tasks ...` does that). A `pretrained=` that cannot be loaded is one
+line and exit status 2.
 """
 from __future__ import annotations
 

@@ -3,10 +3,17 @@
     python -m harness.estimate +sweep=ablation_gpu data=shards data.path=data/fineweb10B
     python -m harness.estimate +sweep=scaling_gpu --mfu 0.35 --json scaling_cost.json
 
+    python -m harness.estimate +sweep=ablation --probe          # + wall time on this CPU
+    python -m harness.estimate +sweep=ablation --recorded RUN_ID  # + wall time at a run's speed
+
 ARGS are those of `python run.py -m ARGS` (a `-m` is accepted and ignored, so a command line can be
 pasted) plus the options below. It prints one row per job (variant, model, parameters, tokens,
 training FLOPs, GPU-hours) and the totals: FLOPs, PFLOP/s-days and GPU-hours at an assumed peak
-and model FLOPs utilisation (MFU). Nothing is trained or written (except --json).
+and model FLOPs utilisation (MFU). With a measured speed it adds each job's wall time on this
+machine: `--probe` times a few real training steps (forward, backward, optimizer) of each distinct
+model on this CPU; `--recorded RUN` takes the training FLOP/s of a finished run (its logged
+`train/tokens_per_s` × its `count.flops_per_token`) and divides each job's FLOPs by it. Nothing is
+written (except --json).
 
 Design decisions:
 - **The jobs are the multirun's own.** The master config is composed in multirun mode, as
@@ -30,6 +37,10 @@ Design decisions:
   still bounded; the total is an upper bound because pruned trials stop early.
 - A job that is an earlier job's run again (the same run key: it sets a residual knob its variant
   does not read) counts 0 trials: run.py returns the earlier one's result.
+- **Wall time is training steps only**, as `train/tokens_per_s` is: validation, instrumentation
+  and checkpoints come on top. The probe runs on random tokens (the data do not change a step's
+  cost) with the job's micro-batch, accumulation, optimizer and `train.threads`, after one untimed
+  step; it always runs on the CPU, so for a GPU job use --recorded with a run from that GPU.
 - GPU-hours = FLOPs / (peak × MFU) / 3600. The default peak is the dense (no sparsity) bf16
   tensor-core peak of one H100/H200 SXM, 989 TFLOP/s; MFU 0.40 is typical of a well-tuned
   single-GPU run of a model this size, not a measurement of this code.
@@ -41,8 +52,9 @@ import itertools
 import json
 import math
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +90,8 @@ class Job:
     train_flops: int  # steps × tokens_per_step × flops_per_token: one run
     trials: int = 1
     upper_bound: bool = False  # an Optuna study: pruned trials stop early
+    tokens_per_s: float | None = None  # measured on this machine (--probe / --recorded)
+    spec: RunSpec | None = field(default=None, repr=False, compare=False)  # what --probe builds
 
     @property
     def tokens(self) -> int:
@@ -86,6 +100,16 @@ class Job:
     @property
     def total_flops(self) -> int:
         return self.trials * self.train_flops
+
+    @property
+    def wall_hours(self) -> float | None:
+        """Hours of training steps of all its trials at the measured speed."""
+        if self.tokens_per_s is None:
+            return None
+        return self.trials * self.tokens / self.tokens_per_s / 3600
+
+    def record(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}
 
 
 def pflops_days(flops: float) -> float:
@@ -120,7 +144,7 @@ def _job(spec: RunSpec, label: str, trials: int = 1, upper_bound: bool = False) 
         params=int(c["count.params_total"]), params_non_embedding=int(c["count.params_non_embedding"]),
         steps=int(c["count.train_steps"]), tokens_per_step=spec.tokens_per_step,
         flops_per_token=int(c["count.flops_per_token"]), train_flops=int(c["count.train_flops"]),
-        trials=trials, upper_bound=upper_bound,
+        trials=trials, upper_bound=upper_bound, spec=spec,
     )
 
 
@@ -236,6 +260,94 @@ def expand(overrides: Sequence[str]) -> list[Job]:
 
 
 # --------------------------------------------------------------------------------------------
+# Measured speed
+# --------------------------------------------------------------------------------------------
+def _probe_key(spec: RunSpec) -> str:
+    c, t = spec.cfg, spec.cfg.train
+    return repr((c.model, c.residual, c.optim.name, spec.micro_batch_size, spec.accum_steps, t.seq_len, t.threads))
+
+
+def probe_tokens_per_s(spec: RunSpec, steps: int) -> float:
+    """Training tokens per second of the job's model on this CPU: `steps` timed optimizer steps
+    after one untimed one."""
+    import torch
+
+    from attnres import DecoderLM
+    from harness.optim import build_optimizer
+
+    cfg, t = spec.cfg, spec.cfg.train
+    threads = torch.get_num_threads()
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    try:
+        torch.manual_seed(0)
+        model = DecoderLM(cfg.model, cfg.residual).train()
+        optimizer = build_optimizer(model, cfg.optim)
+        x = torch.randint(0, cfg.model.vocab_size, (spec.micro_batch_size, t.seq_len + 1))
+
+        def step() -> None:
+            for _ in range(spec.accum_steps):
+                _, loss = model(x[:, :-1], x[:, 1:])
+                (loss / spec.accum_steps).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()  # first-use costs (the C kernels' build, allocator warm-up) are not the run's pace
+        tic = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return steps * spec.tokens_per_step / (time.perf_counter() - tic)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def probe(jobs: list[Job], steps: int, log=print) -> None:
+    """Set every job's tokens_per_s from a probe of its model (each distinct model once)."""
+    speeds: dict[str, float] = {}
+    for job in jobs:
+        if job.spec is None:
+            continue
+        key = _probe_key(job.spec)
+        if key not in speeds:
+            speeds[key] = probe_tokens_per_s(job.spec, steps)
+            log(f"probe: {job.variant} ({job.model}): {speeds[key]:,.0f} tokens/s over {steps} steps")
+        job.tokens_per_s = speeds[key]
+
+
+def recorded_flops_per_s(run_id: str, tracking_uri: str | None) -> float:
+    """Training FLOP/s of a finished run: the median of its logged train/tokens_per_s times its
+    count.flops_per_token."""
+    import statistics
+
+    from harness.resolvers import absolute_sqlite, default_tracking_uri
+
+    uri = absolute_sqlite(tracking_uri) if tracking_uri else default_tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        raise EstimateError(f"--recorded {run_id}: no MLflow store at {uri} (no such file); "
+                            "allowed: --tracking-uri or $MLFLOW_TRACKING_URI naming the run's store")
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        run = client.get_run(run_id)
+        history = client.get_metric_history(run_id, "train/tokens_per_s")
+    except MlflowException:
+        raise EstimateError(f"--recorded {run_id}: no such run in {uri}; allowed: the id of a run.py run") from None
+    flops_per_token = run.data.params.get("count.flops_per_token")
+    speeds = [m.value for m in history if math.isfinite(m.value) and m.value > 0]
+    if not speeds or flops_per_token is None:
+        raise EstimateError(f"--recorded {run_id}: the run logged no train/tokens_per_s or count.flops_per_token; "
+                            "allowed: a run.py training run that logged at least one step")
+    return statistics.median(speeds) * float(flops_per_token)
+
+
+def at_flops_per_s(jobs: list[Job], flops_per_s: float) -> None:
+    for job in jobs:
+        job.tokens_per_s = flops_per_s / job.flops_per_token
+
+
+# --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
 def summary(jobs: list[Job], peak_tflops: float, mfu: float) -> dict[str, Any]:
@@ -248,6 +360,8 @@ def summary(jobs: list[Job], peak_tflops: float, mfu: float) -> dict[str, Any]:
         "gpu_hours": gpu_hours(flops, peak_tflops, mfu),
         "peak_tflops": peak_tflops,
         "mfu": mfu,
+        "wall_hours": (sum(j.wall_hours for j in jobs if j.wall_hours is not None)
+                       if any(j.tokens_per_s is not None for j in jobs) else None),
     }
 
 
@@ -270,6 +384,10 @@ def table(jobs: list[Job], peak_tflops: float, mfu: float) -> str:
              _si(j.tokens, "tok"), f"{j.flops_per_token:.3e}",
              f"{'≤' if j.upper_bound else ''}{j.total_flops:.3e}", str(j.trials),
              _amount(gpu_hours(j.total_flops, peak_tflops, mfu))] for j in jobs]
+    if any(j.tokens_per_s is not None for j in jobs):
+        head += ["tokens/s", "wall-h"]
+        for row, j in zip(rows, jobs):
+            row += ["-", "-"] if j.wall_hours is None else [f"{j.tokens_per_s:,.0f}", _amount(j.wall_hours)]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
     def line(cells: list[str]) -> str:
@@ -282,7 +400,9 @@ def totals_text(s: dict[str, Any]) -> str:
     at_most = "at most " if s["upper_bound"] else ""
     return (f"{s['jobs']} job{'' if s['jobs'] == 1 else 's'}, {at_most}{s['train_flops']:.4e} training FLOPs = "
             f"{_amount(s['pflops_days'])} PFLOP/s-days = {_amount(s['gpu_hours'])} GPU-hours "
-            f"({_amount(s['gpu_hours'] / 24)} GPU-days) at MFU {s['mfu']:g} of {s['peak_tflops']:g} TFLOP/s")
+            f"({_amount(s['gpu_hours'] / 24)} GPU-days) at MFU {s['mfu']:g} of {s['peak_tflops']:g} TFLOP/s"
+            + ("" if s["wall_hours"] is None else
+               f"; {at_most}{_amount(s['wall_hours'])} hours of training steps on this machine, one job at a time"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,14 +416,22 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = _Parser(prog="python -m harness.estimate",
-                description="Jobs, training FLOPs and GPU-hours of `python run.py -m ARGS`.")
+                description="Jobs, training FLOPs, GPU-hours (and wall time here) of `python run.py -m ARGS`.")
     p.add_argument("overrides", nargs="*", help="run.py's Hydra overrides, e.g. +sweep=ablation_gpu")
     p.add_argument("-m", "--multirun", action="store_true", help="ignored (run.py's flag)")
     p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
                    help="dense bf16 peak of one GPU in TFLOP/s (default: H100/H200 SXM, 989)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation (default 0.40)")
     p.add_argument("--json", metavar="PATH", help="also write the jobs and totals as JSON")
+    speed = p.add_mutually_exclusive_group()
+    speed.add_argument("--probe", type=int, nargs="?", const=3, metavar="STEPS",
+                       help="time STEPS (default 3) training steps of each distinct model on this CPU: wall time")
+    speed.add_argument("--recorded", metavar="RUN_ID",
+                       help="wall time at the training FLOP/s a finished run logged")
+    p.add_argument("--tracking-uri", help="the store of --recorded's run (default: $MLFLOW_TRACKING_URI, else run.py's)")
     args = p.parse_intermixed_args(argv)
+    if args.probe is not None and not 1 <= args.probe <= 1000:
+        p.error(f"--probe={args.probe} must be a number of steps in 1..1000")
     if not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         p.error(f"--peak-tflops={args.peak_tflops} must be a positive number of TFLOP/s")
     if not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
@@ -315,9 +443,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         jobs = expand(args.overrides)
+        if args.recorded:
+            at_flops_per_s(jobs, recorded_flops_per_s(args.recorded, args.tracking_uri))
     except (ConfigError, EstimateError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    if args.probe:
+        probe(jobs, args.probe, log=lambda line: print(line, file=sys.stderr, flush=True))
     totals = summary(jobs, args.peak_tflops, args.mfu)
     print(table(jobs, args.peak_tflops, args.mfu))
     print(totals_text(totals))
@@ -326,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "arguments": list(args.overrides),
             "flops": "DecoderLM.flops_per_token: training (3 × forward) matmul + full-square attention "
                      "+ residual mixing; no eval, norms, elementwise or optimizer FLOPs",
-            "jobs": [{**asdict(j), "tokens": j.tokens, "total_flops": j.total_flops,
+            "jobs": [{**j.record(), "tokens": j.tokens, "total_flops": j.total_flops, "wall_hours": j.wall_hours,
                       "gpu_hours": gpu_hours(j.total_flops, args.peak_tflops, args.mfu)} for j in jobs],
             "totals": totals,
         }

@@ -11,7 +11,8 @@ Design decisions:
   sweeper takes for its own database and MLflow client, so the two never race each other either.
 - Experiments created here on a SQLite store keep their artifacts beside the database
   (<db folder>/mlruns/<experiment>), not in whatever folder a job was started from.
-- Experiments are tagged so that the MLflow 3 UI opens them as model training (RUN_SCHEMA.md).
+- Experiments are tagged as model training (RUN_SCHEMA.md), and described with a link to their
+  runs table: MLflow 3's UI opens an experiment on its GenAI overview whatever the tag says.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from collections.abc import Iterator
 
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+DESCRIPTION = "mlflow.note.content"  # the experiment description the UI shows
 PROBE_TIMEOUT = 5.0  # seconds to reach an http(s) tracking server at start
 # MLflow's HTTP client retries a dead server with exponential backoff for minutes by default; a
 # training loop must not stall that long per flush. A user's own setting wins.
@@ -241,18 +243,38 @@ def experiment_id(client, name: str, uri: str) -> str:
 
 
 def mark_model_training(client, exp_id: str) -> None:
-    """Tag experiment `exp_id` so that the MLflow 3 UI opens it as model training (RUN_SCHEMA).
+    """Tag experiment `exp_id` as model training (RUN_SCHEMA), and give it a description that links
+    to its runs table when it has none.
 
-    Two processes starting together (the workers of one Optuna study) may both find the tag
+    MLflow 3's UI ignores the tag when it picks a page: a browser that has not switched the
+    sidebar to "Model training" opens every experiment on the GenAI overview, where the
+    description shows; its link opens the runs table in model-training mode.
+
+    Two processes starting together (the workers of one Optuna study) may both find a tag
     missing and both set it; on a tracking server over PostgreSQL the second insert then fails on
     the tag's unique key. The tag being there is what was asked, so that failure is not an error."""
+    key, value = EXPERIMENT_KIND
+    _set_tag(client, exp_id, key, lambda tags: tags.get(key) == value, value)
+    _set_tag(client, exp_id, DESCRIPTION, lambda tags: bool(tags.get(DESCRIPTION)), runs_table_note(exp_id))
+
+
+def runs_table_note(exp_id: str) -> str:
+    return (f"Model-training runs: [open the runs table]({runs_table_link(exp_id)}). MLflow opens "
+            "experiments on its GenAI overview unless the sidebar's switch says \"Model training\".")
+
+
+def runs_table_link(exp_id: str) -> str:
+    """The UI's address (after the server's root) of the experiment's runs table, model-training view."""
+    return f"#/experiments/{exp_id}/runs?workflowType=machine_learning"
+
+
+def _set_tag(client, exp_id: str, key: str, done, value: str) -> None:
     from mlflow.exceptions import MlflowException
 
-    key, value = EXPERIMENT_KIND
-    if client.get_experiment(exp_id).tags.get(key) == value:
+    if done(client.get_experiment(exp_id).tags):
         return
     try:
         client.set_experiment_tag(exp_id, key, value)
     except MlflowException:
-        if client.get_experiment(exp_id).tags.get(key) != value:
+        if not done(client.get_experiment(exp_id).tags):
             raise

@@ -1,6 +1,7 @@
 """Snapshot CSVs (analysis/runs.py) without MLflow, and the notebook run on a snapshot."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,19 +59,68 @@ def test_bad_snapshots(tmp_path, content, needle):
         import_snapshot(tmp_path / "nope.csv")
 
 
-def test_notebook_runs_on_a_snapshot(tmp_path):
-    """analysis/notebooks/scaling_fits.py is a jupytext percent script: it must execute top to
-    bottom on a snapshot CSV (as CI runs it) and save its figure."""
+NOTEBOOK = REPO / "analysis" / "notebooks" / "scaling_fits.py"
+
+# Appended to the notebook by the kernel test: what the figure drew, and with which backend.
+FIGURE_PROBE = """
+import json, matplotlib, matplotlib.colors as mc
+from matplotlib.collections import PathCollection
+dots = [c for c in ax.collections if isinstance(c, PathCollection)]
+bands = [c for c in ax.collections if not isinstance(c, PathCollection)]
+print("FIGURE " + json.dumps({"backend": matplotlib.get_backend(),
+    "lines": [mc.to_hex(l.get_color()) for l in ax.lines],
+    "dots": [sorted({mc.to_hex(c) for c in d.get_facecolors()}) for d in dots],
+    "bands": [sorted({mc.to_hex(c) for c in b.get_facecolors()}) for b in bands]}))
+"""
+
+
+def test_notebook_runs_in_a_jupyter_kernel(tmp_path, monkeypatch):
+    """The notebook, read by jupytext and executed cell by cell in a real IPython kernel (nbclient), as
+    Jupyter runs it: its figure is shown inline, each variant's points, line and band in one colour,
+    and ANALYSIS_NOTEBOOK_OUT names the figure's file."""
+    import jupytext  # the `notebooks` extra, part of `dev`
+    import nbclient
+    import nbformat
+
+    export_snapshot(_runset(), tmp_path / "runs.csv")
+    monkeypatch.setenv("ANALYSIS_SNAPSHOT", str(tmp_path / "runs.csv"))
+    monkeypatch.setenv("ANALYSIS_N_BOOT", "50")
+    monkeypatch.setenv("ANALYSIS_NOTEBOOK_OUT", str(tmp_path / "figures" / "fits.png"))
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # what Jupyter's kernel chooses, not ours
+    nb = jupytext.read(NOTEBOOK)
+    nb.cells.append(nbformat.v4.new_code_cell(FIGURE_PROBE))
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "16 points from snapshot runs.csv" in text
+    rich = [o for o in outputs if o.output_type in ("display_data", "execute_result")]
+    assert sum("image/png" in o.data for o in rich) == 1  # the figure, inline, once
+    assert any("text/html" in o.data and "multiplier" in o.data["text/html"] for o in rich)  # tables rendered
+    figure = json.loads(text.split("FIGURE ", 1)[1].splitlines()[0])
+    assert "inline" in figure["backend"]
+    n = len(figure["lines"])
+    assert n == len(figure["dots"]) == len(figure["bands"]) >= 2
+    for line, dots, band in zip(figure["lines"], figure["dots"], figure["bands"]):
+        assert dots == [line] and band == [line]  # one variant, one colour
+    assert len(set(figure["lines"])) == n  # and a different one per variant
+    assert (tmp_path / "figures" / "fits.png").is_file()
+    assert (tmp_path / "figures" / "fits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_notebook_runs_as_a_script(tmp_path):
+    """Run as a plain script (no Jupyter, no display): it prints its tables and writes the figure file."""
     export_snapshot(_runset(), tmp_path / "runs.csv")
     env = {**os.environ, "ANALYSIS_SNAPSHOT": str(tmp_path / "runs.csv"), "ANALYSIS_N_BOOT": "50",
-           "ANALYSIS_NOTEBOOK_OUT": str(tmp_path / "nb"), "MPLBACKEND": "Agg"}
-    r = subprocess.run([sys.executable, str(REPO / "analysis" / "notebooks" / "scaling_fits.py")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+           "ANALYSIS_NOTEBOOK_OUT": str(tmp_path / "fits.png")}
+    env.pop("MPLBACKEND", None)
+    env.pop("DISPLAY", None)
+    r = subprocess.run([sys.executable, str(NOTEBOOK)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "16 points from snapshot runs.csv" in r.stdout
-    # Run as a script it prints its tables (laws and multipliers), not only the point count.
     assert "multiplier" in r.stdout and "separate α" in r.stdout and "C^-" in r.stdout
-    assert (tmp_path / "nb" / "scaling_fits.png").stat().st_size > 1000
+    assert (tmp_path / "fits.png").is_file() and (tmp_path / "fits.png").stat().st_size > 1000
 
 
 def test_analysis_never_imports_training_code():

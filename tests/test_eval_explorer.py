@@ -227,3 +227,21 @@ def test_page_works_in_mlflows_sandboxed_iframe(checkpoint, tmp_path):
         if n > 10000:
             break
     assert n > 10000, f"only {n} coloured pixels in three attempts: the page's script did not draw inside the sandbox"
+
+
+@needs_chromium
+def test_the_documented_link_selects_a_row_it_shows(checkpoint, tmp_path):
+    """docs/EVALUATION.md's example link, opened on a page: the row it names is the one selected."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "EVALUATION.md").read_text()
+    fragment = re.search(r"`depth\.html#([^`]+)`", doc).group(1)
+    args = dict(kv.split("=", 1) for kv in fragment.split("&"))
+    page = tmp_path / "depth.html"
+    assert main([str(checkpoint), "--out", str(page), "--prompts", "2", "--length", "40"]) == 0
+    data = json.loads(re.search(r'id="depth-data">(.*?)</script>', page.read_text(), re.S).group(1))
+    row = data["rows"][int(args["row"])]
+    assert row["kind"] in args["rows"].split(","), f"the link's row {row['label']} is hidden by rows={args['rows']}"
+    dom, err = chromium(tmp_path, f"{page.as_uri()}#{fragment}", "--dump-dom")
+    assert console_lines(err) == []
+    title = re.search(r'id="detail-title">([^<]*)<', dom).group(1)
+    assert title.startswith(html.escape(row["title"], quote=False) + " reads "), title
+    assert title.endswith("averaged over tokens")

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig
-from harness.estimate import expand, gpu_hours, main, pflops_days
+from harness.estimate import expand, gpu_hours, main, pflops_days, probe
 from harness_testing import ROOT
 
 SHORT = "train.tokens=20000"  # 10 steps of 16 × 128 tokens: the CPU defaults
@@ -125,3 +125,97 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and message in err
+
+
+# -- wall time on this machine: --probe and --recorded -----------------------------------------
+TINY = ["model.layers=2", "train.batch_size=4", "train.seq_len=32", "train.tokens=1280", "train.threads=1"]
+
+
+def test_the_probe_times_real_steps_of_each_distinct_model_once():
+    jobs = expand(["+sweep=ablation", "residual=baseline,block", "train.seed=0,1", *TINY])
+    lines = []
+    probe(jobs, steps=1, log=lines.append)
+    assert len(jobs) == 4 and len(lines) == 2  # the seeds share a model: one probe per variant
+    assert {j.variant for j in jobs} == {"baseline", "block"}
+    for job in jobs:
+        assert math.isfinite(job.tokens_per_s) and job.tokens_per_s > 0
+        assert job.wall_hours == pytest.approx(job.trials * job.steps * 4 * 32 / job.tokens_per_s / 3600, rel=1e-12)
+    same = {j.variant: j.tokens_per_s for j in jobs if j.label.endswith("train.seed=0")}
+    assert all(j.tokens_per_s == same[j.variant] for j in jobs)
+
+
+def test_the_probes_tokens_per_s_is_timed_steps_over_their_time(monkeypatch):
+    """steps × micro-batch × accumulation × seq_len tokens over the timed span, the untimed first step left out."""
+    import harness.estimate as estimate
+
+    (job,) = expand([*TINY, "train.micro_batch_size=2"])  # 2 micro-batches per step
+    steps_run = []
+    real_step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (steps_run.append(1), real_step(self, *a, **k))[1])
+    clock = iter([100.0, 102.5])  # tic, toc
+    monkeypatch.setattr(estimate.time, "perf_counter", lambda: next(clock))
+    tokens_per_s = estimate.probe_tokens_per_s(job.spec, steps=5)
+    assert len(steps_run) == 6  # one untimed, five timed optimizer steps
+    assert tokens_per_s == 5 * 4 * 32 / 2.5
+
+
+def recorded_run(uri, tokens_per_s, flops_per_token="1000"):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("speed")).info.run_id
+    if flops_per_token is not None:
+        client.log_param(run, "count.flops_per_token", flops_per_token)
+    for step, value in enumerate(tokens_per_s, 1):
+        client.log_metric(run, "train/tokens_per_s", value, step=step)
+    client.set_terminated(run)
+    return run
+
+
+def test_recorded_speed_gives_each_job_its_wall_time(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = recorded_run(uri, [90.0, 100.0, 130.0])  # median 100 tokens/s × 1000 FLOPs/token = 1e5 FLOP/s
+    out = tmp_path / "cost.json"
+    argv = ["+sweep=ablation", "residual=block,full", "train.seed=0", SHORT, "--recorded", run, "--tracking-uri", uri,
+            "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "wall-h" in printed and "hours of training steps on this machine" in printed
+    doc = json.loads(out.read_text())
+    for job in doc["jobs"]:
+        assert job["tokens_per_s"] == pytest.approx(1e5 / job["flops_per_token"], rel=1e-12)
+        assert job["wall_hours"] == pytest.approx(job["total_flops"] / 1e5 / 3600, rel=1e-12)
+    assert doc["totals"]["wall_hours"] == pytest.approx(doc["totals"]["train_flops"] / 1e5 / 3600, rel=1e-12)
+
+
+def test_without_a_measured_speed_there_is_no_wall_time(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert main(["+sweep=ablation", "residual=block", "train.seed=0", SHORT, "--json", str(out)]) == 0
+    assert "wall-h" not in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["totals"]["wall_hours"] is None and doc["jobs"][0]["wall_hours"] is None
+
+
+@pytest.mark.parametrize("case", ["no store", "no run", "no speed", "no flops", "both"])
+def test_a_speed_that_cannot_be_had_is_one_line_and_exit_2(case, tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    argv = ["+sweep=ablation", "residual=block", "train.seed=0", SHORT, "--tracking-uri", uri]
+    if case == "no store":
+        argv += ["--recorded", "0" * 32, "--tracking-uri", f"sqlite:///{tmp_path / 'nothing.db'}"]
+    elif case == "no run":
+        recorded_run(uri, [100.0])
+        argv += ["--recorded", "0" * 32]
+    elif case == "no speed":
+        argv += ["--recorded", recorded_run(uri, [])]
+    elif case == "no flops":
+        argv += ["--recorded", recorded_run(uri, [100.0], flops_per_token=None)]
+    else:
+        argv += ["--recorded", "0" * 32, "--probe"]
+    capsys.readouterr()  # MLflow's own lines while the test made its store
+    with pytest.raises(SystemExit) as stop:
+        sys.exit(main(argv))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert ("--probe" in err) if case == "both" else ("--recorded" in err)
+    assert not (tmp_path / "nothing.db").exists()  # nothing created where nothing was

@@ -20,7 +20,7 @@ from hydra_plugins.attnres_optuna_sweeper._ledger import (
     rank,
 )
 from hydra_plugins.attnres_optuna_sweeper._space import build_plan
-from hydra_plugins.attnres_optuna_sweeper._strategy import make_pruner, make_sampler
+from hydra_plugins.attnres_optuna_sweeper._strategy import describe, make_pruner, make_sampler, scaled_pruner
 from hydra_plugins.attnres_optuna_sweeper.config import (
     AttnresOptunaSweeperConf,
     SweeperConfigError,
@@ -181,13 +181,81 @@ def test_samplers_and_pruners_are_built_from_settings():
         conf.sampler.name = name
         assert isinstance(make_sampler(conf.sampler, p.dimensions), cls)
     for name, cls in [
-        ("median", optuna.pruners.MedianPruner),
+        ("median", optuna.pruners.MedianPruner),  # with a margin: a subclass
         ("successive_halving", optuna.pruners.SuccessiveHalvingPruner),
         ("hyperband", optuna.pruners.HyperbandPruner),
         ("none", optuna.pruners.NopPruner),
     ]:
         conf.pruner.name = name
         assert isinstance(make_pruner(conf.pruner), cls)
+
+
+def median_study(tmp_path, pruner_conf, finished, direction="minimize"):
+    """A study on SQLite whose finished trials reported `finished` (one value each) at step 10."""
+    study = optuna.create_study(
+        storage=f"sqlite:///{tmp_path / 'optuna.db'}", pruner=make_pruner(pruner_conf), direction=direction
+    )
+    for value in finished:
+        study.add_trial(create_trial(value=value, intermediate_values={10: value}, state=TrialState.COMPLETE))
+    return study
+
+
+def pruned_at(study, value, step=10):
+    trial = study.ask()
+    trial.report(value, step)
+    return trial.should_prune()
+
+
+@pytest.mark.parametrize("n_trials, startup", [(3, 1), (4, 2), (8, 4), (20, 5), (1, 1)])
+def test_the_median_pruners_warm_up_is_at_most_half_the_study(n_trials, startup):
+    conf = AttnresOptunaSweeperConf().pruner  # n_startup_trials=5
+    assert scaled_pruner(conf, n_trials).n_startup_trials == startup
+    assert conf.n_startup_trials == 5  # the settings themselves are left as configured
+    assert f"n_startup_trials={startup}," in describe(scaled_pruner(conf, n_trials))
+
+
+def test_a_three_trial_study_prunes_after_its_first_trial(tmp_path):
+    conf = AttnresOptunaSweeperConf().pruner
+    (tmp_path / "scaled").mkdir(), (tmp_path / "as_configured").mkdir()
+    scaled = median_study(tmp_path / "scaled", scaled_pruner(conf, n_trials=3), [3.0])
+    assert pruned_at(scaled, 4.0)  # 33% worse than the one finished trial
+    assert not pruned_at(scaled, 3.01)  # within the margin
+    # Optuna's own warm-up of 5 finished trials would never be reached in a study of 3.
+    as_configured = median_study(tmp_path / "as_configured", conf, [3.0])
+    assert not pruned_at(as_configured, 4.0)
+
+
+def test_the_median_pruner_needs_a_margin(tmp_path):
+    conf = AttnresOptunaSweeperConf().pruner
+    conf.n_startup_trials = 1
+    assert conf.margin == 0.02
+    (tmp_path / "margin").mkdir(), (tmp_path / "none").mkdir()
+    study = median_study(tmp_path / "margin", conf, [3.0, 3.1, 3.4])  # median 3.1, margin 0.062
+    assert not pruned_at(study, 3.15)  # 1.6% above the median: a neighbour of the best point
+    assert not pruned_at(study, 3.16)  # 1.9% above
+    assert pruned_at(study, 3.17)  # 2.3% above
+    assert pruned_at(study, float("nan"))
+    # With margin 0 it is Optuna's median pruner: anything above the median goes.
+    conf.margin = 0.0
+    study = median_study(tmp_path / "none", conf, [3.0, 3.1, 3.4])
+    assert pruned_at(study, 3.15)
+    assert not pruned_at(study, 3.1)
+
+
+def test_the_margin_points_the_right_way_when_maximizing(tmp_path):
+    conf = AttnresOptunaSweeperConf().pruner
+    conf.n_startup_trials, conf.margin = 1, 0.1
+    study = median_study(tmp_path, conf, [0.5, 0.6, 0.7], direction="maximize")  # median 0.6, gap 0.06
+    assert not pruned_at(study, 0.55)
+    assert pruned_at(study, 0.53)
+
+
+@pytest.mark.parametrize("margin", [-0.1, float("nan"), float("inf")])
+def test_a_bad_margin_is_a_config_error(margin):
+    conf = AttnresOptunaSweeperConf().pruner
+    conf.margin = margin
+    with pytest.raises(SweeperConfigError):
+        make_pruner(conf)
 
 
 def test_grid_sampler_refuses_a_continuous_interval():
@@ -416,11 +484,11 @@ def test_a_study_continues_whatever_the_order_of_its_fixed_overrides(tmp_path):
     runner = object.__new__(SweepRunner)
     runner.settings = AttnresOptunaSweeperConf()
     lr = "optim.lr=interval(1e-4,1e-2)"
-    runner._open_study("s", plan("model.layers=8", "train.tokens=1000", lr), storage, [])
-    _, created = runner._open_study("s", plan("train.tokens=1000", "model.layers=8", lr), storage, [])
+    runner._open_study("s", plan("model.layers=8", "train.tokens=1000", lr), storage, [], n_trials=4)
+    _, created = runner._open_study("s", plan("train.tokens=1000", "model.layers=8", lr), storage, [], n_trials=4)
     assert not created
     with pytest.raises(SweeperConfigError, match="would not be comparable"):
-        runner._open_study("s", plan("train.tokens=1000", "model.layers=4", lr), storage, [])
+        runner._open_study("s", plan("train.tokens=1000", "model.layers=4", lr), storage, [], n_trials=4)
     storage.engine.dispose()
 
 

@@ -14,8 +14,9 @@
 # %% [markdown]
 # # Fitting scaling curves interactively
 #
-# Open with `jupytext --to notebook analysis/notebooks/scaling_fits.py` (or the Jupytext
-# extension), or run it as a script: `python analysis/notebooks/scaling_fits.py`.
+# Open in Jupyter with the Jupytext extension (`pip install -e ".[notebooks]"`, then open this
+# file as a notebook), convert it with `jupytext --to notebook analysis/notebooks/scaling_fits.py`,
+# or run it as a script: `python analysis/notebooks/scaling_fits.py`.
 # It imports the `analysis` package rather than copying its code, so what you try here is what
 # `python -m analysis report` does.
 #
@@ -27,9 +28,6 @@ import os
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # a no-op in Jupyter's inline backend choice; needed when run as a script
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -48,7 +46,7 @@ from analysis.scaling import fit_power_law, fit_shared_exponent, multiplier_at  
 
 SNAPSHOT = Path(os.environ.get("ANALYSIS_SNAPSHOT", ROOT / "results" / "runs.csv"))
 N_BOOT = int(os.environ.get("ANALYSIS_N_BOOT", "1000"))
-OUT = os.environ.get("ANALYSIS_NOTEBOOK_OUT")  # where to save the figure; unset: do not save
+OUT = os.environ.get("ANALYSIS_NOTEBOOK_OUT")  # the figure's file (e.g. fits.png); unset: not saved
 
 try:  # Jupyter renders tables; run as a script, print them (a bare expression prints nothing)
     from IPython.display import display
@@ -107,17 +105,18 @@ display(pd.DataFrame(rows, columns=["variant", "fit", "multiplier", "lo", "hi"])
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 4))
-for v, f in fits.items():
+for i, (v, f) in enumerate(fits.items()):
+    colour = f"C{i}"  # one colour per variant: its points, its fitted line and its band
     p = points[points.variant == v]
     C = np.geomspace(*f.compute_range, 50)
     lo, hi = f.band(C)
-    ax.scatter(p["compute_pfd"], p["loss"], s=12)
-    ax.plot(C, f.law(C), label=f"{v}: {f.law.label()}")
-    ax.fill_between(C, lo, hi, alpha=0.2)
+    ax.scatter(p["compute_pfd"], p["loss"], s=12, color=colour)
+    ax.plot(C, f.law(C), color=colour, label=f"{v}: {f.law.label()}")
+    ax.fill_between(C, lo, hi, color=colour, alpha=0.2, linewidth=0)
 ax.set_xscale("log")
 ax.set_xlabel("compute (PFLOP/s-days)")
 ax.set_ylabel("validation loss")
 ax.legend(fontsize=7)
 if OUT:
-    Path(OUT).mkdir(parents=True, exist_ok=True)
-    fig.savefig(Path(OUT) / "scaling_fits.png", dpi=120, bbox_inches="tight")
+    Path(OUT).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(OUT, dpi=120, bbox_inches="tight")

@@ -41,7 +41,7 @@ from ._storage import (
     open_storage,
     resolve_url,
 )
-from ._strategy import describe, grid_size, make_pruner, make_sampler
+from ._strategy import describe, grid_size, make_pruner, make_sampler, scaled_pruner
 from ._tracking import PARENT_ATTR, StudyTracker, end_leftover_runs, last_run_id, resolve_tracking
 from .config import AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
 
@@ -85,7 +85,7 @@ class SweepRunner:
         if s.sampler.name == "grid":
             n_trials = min(n_trials, grid_size(plan.dimensions))
         make_sampler(s.sampler, plan.dimensions)  # refuse bad sampler options before any work
-        make_pruner(s.pruner)
+        make_pruner(scaled_pruner(s.pruner, n_trials))
         prefix = study_prefix(s, self.config)
         compose_jobs(self.hydra_context.config_loader, self.config, s, plan, prefix)
 
@@ -104,7 +104,7 @@ class SweepRunner:
             n_trials,
             s.direction,
             describe(s.sampler),
-            describe(s.pruner),
+            describe(scaled_pruner(s.pruner, n_trials)),
             redact(storage_url),
         )
         try:
@@ -155,7 +155,7 @@ class SweepRunner:
         enqueue: list[dict[str, Any]],
     ) -> None:
         name = cell.study_name(prefix)
-        study, created = self._open_study(name, plan, storage, enqueue)
+        study, created = self._open_study(name, plan, storage, enqueue, n_trials)
         parent = None
         if tracker is not None:
             parent = tracker.open_parent(
@@ -214,9 +214,10 @@ class SweepRunner:
         plan: Plan,
         storage: optuna.storages.RDBStorage,
         enqueue: list[dict[str, Any]],
+        n_trials: int,
     ) -> tuple[optuna.Study, bool]:
         s = self.settings
-        sampler, pruner = make_sampler(s.sampler, plan.dimensions), make_pruner(s.pruner)
+        sampler, pruner = make_sampler(s.sampler, plan.dimensions), make_pruner(scaled_pruner(s.pruner, n_trials))
         try:
             study = optuna.create_study(
                 study_name=name,
@@ -272,7 +273,7 @@ class SweepRunner:
             "optuna.direction": s.direction,
             "optuna.n_trials": str(n_trials),
             "optuna.sampler": describe(s.sampler),
-            "optuna.pruner": describe(s.pruner),
+            "optuna.pruner": describe(scaled_pruner(s.pruner, n_trials)),
             "optuna.storage": redact(storage.url),
         }
         if "residual" in values:

@@ -14,12 +14,17 @@ Design decisions:
   ``Study.stop()``, which raises outside ``Study.optimize`` (the sweeper uses ask/tell).
 * Options that only make sense for some classes are passed to those classes only; ``kwargs`` goes
   to the chosen class, and a wrong keyword comes back as one configuration error line.
+* **The median pruner waits for at most half the study** (``n_trials // 2``, at least 1), so a
+  short study prunes at all, and **prunes only with a margin**: a trial must be worse than the
+  median by ``margin`` × |median|, so neighbours of the best point, a little worse by noise, run on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
+import statistics
 from typing import Any, Callable
 
 import optuna
@@ -122,6 +127,43 @@ def _make_sampler(
     return _construct("sampler", factories[conf.name], seed=seed, **kwargs)
 
 
+class MarginMedianPruner(optuna.pruners.MedianPruner):
+    """Optuna's median pruner, which also needs the trial to be worse than the median by
+    ``margin`` × |median| at the step it reports."""
+
+    def __init__(self, *args: Any, margin: float = 0.0, **kwargs: Any) -> None:
+        if not (margin >= 0 and math.isfinite(margin)):
+            raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
+        super().__init__(*args, **kwargs)
+        self._margin = margin
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        if not super().prune(study, trial):
+            return False
+        step = trial.last_step
+        values = [v for v in trial.intermediate_values.values() if not math.isnan(v)]
+        if not values:  # only NaN reported: Optuna prunes it, and so do we
+            return True
+        maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+        best = max(values) if maximize else min(values)
+        others = [
+            t.intermediate_values[step]
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if step in t.intermediate_values and not math.isnan(t.intermediate_values[step])
+        ]
+        median = float(statistics.median(others))
+        gap = self._margin * abs(median)
+        return best < median - gap if maximize else best > median + gap
+
+
+def scaled_pruner(conf: PrunerConf, n_trials: int) -> PrunerConf:
+    """The pruner settings a study of ``n_trials`` uses: the median pruner's warm-up is at most
+    half of the study."""
+    if conf.name != "median":
+        return conf
+    return dataclasses.replace(conf, n_startup_trials=min(conf.n_startup_trials, max(1, n_trials // 2)))
+
+
 def make_pruner(conf: PrunerConf) -> BasePruner:
     kwargs: dict[str, Any] = dict(conf.kwargs)
     if conf.reduction_factor is not None and conf.name in ("successive_halving", "hyperband"):
@@ -129,10 +171,11 @@ def make_pruner(conf: PrunerConf) -> BasePruner:
     if conf.name == "median":
         return _construct(
             "pruner",
-            optuna.pruners.MedianPruner,
+            MarginMedianPruner,
             n_startup_trials=conf.n_startup_trials,
             n_warmup_steps=conf.n_warmup_steps,
             interval_steps=conf.interval_steps,
+            margin=conf.margin,
             **kwargs,
         )
     if conf.name == "successive_halving":
@@ -156,7 +199,7 @@ _RELEVANT = {
     "cmaes": ("seed", "n_startup_trials"),
     "random": ("seed",),
     "grid": ("seed",),
-    "median": ("n_startup_trials", "n_warmup_steps", "interval_steps"),
+    "median": ("n_startup_trials", "n_warmup_steps", "interval_steps", "margin"),
     "successive_halving": ("min_resource", "reduction_factor"),
     "hyperband": ("min_resource", "reduction_factor"),
     "none": (),

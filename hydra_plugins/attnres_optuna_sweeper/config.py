@@ -54,10 +54,13 @@ class SamplerConf:
 class PrunerConf:
     # median (default) | successive_halving | hyperband | none
     name: str = "median"
-    # median: trials that finish before pruning starts, steps before a trial can be pruned
+    # median: trials that finish before pruning starts (at most half the study's n_trials), steps
+    # before a trial can be pruned, and how much worse than the median a trial must be to be
+    # pruned, as a fraction of the median (0.02: 2% above the median loss)
     n_startup_trials: int = 5
     n_warmup_steps: int = 0
     interval_steps: int = 1
+    margin: float = 0.02
     # successive_halving / hyperband: smallest resource (reported step) and the halving factor
     # (null: Optuna's default, 4 for successive halving, 3 for hyperband)
     min_resource: Any = "auto"
