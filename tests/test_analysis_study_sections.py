@@ -85,6 +85,28 @@ def test_multihop_section_tabulates_each_hop_and_judges_against_the_baseline(tmp
     assert "| block | 3 |" in section.text
 
 
+def test_multihop_wilson_interval_pools_the_runs_prompts(tmp_path):
+    """Per hop: the runs' correct answers pooled into one binomial count (200 prompts per run on
+    the default probe), its Wilson interval (closed form below), and whether the baseline's at one
+    hop excludes chance."""
+    from analysis.sections.probe import wilson
+
+    p, n, z = 30 / 200, 200, stats.norm.ppf(0.975)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    acc, lo, hi = wilson([0.15], 200)
+    assert acc == 0.15 and lo == pytest.approx(centre - half, abs=1e-12)
+    assert hi == pytest.approx(centre + half, abs=1e-12)
+    acc, lo, hi = wilson([0.1, 0.2], 200)  # 20 + 40 of 400
+    assert acc == pytest.approx(0.15, abs=1e-12) and hi - lo < 2 * half
+    runs = _probe_runs(gain=0.05)
+    section = sec.multihop_section(runs, tmp_path)
+    table = pd.read_csv(tmp_path / "tables" / "multihop_probe.csv").set_index("variant")
+    base = runs[runs.variant == "baseline"]["probe_acc_hop_1"]
+    assert table.loc["baseline", "hop 1 wilson_lo"] == pytest.approx(wilson(base, 200)[1], rel=1e-5)
+    assert "The baseline at 1 hop: Wilson interval" in section.text and "above chance (0.1)" in section.text
+
+
 def test_multihop_section_says_so_when_every_run_is_at_chance(tmp_path):
     runs = _probe_runs(gain=0.0)
     assert "near chance" not in sec.multihop_section(runs, tmp_path).text  # 1-hop ≈ 0.9: learned
