@@ -294,7 +294,8 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
 
     jobs = [
         ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note,
-                                                                  opts.n_boot, opts.seed)),
+                                                                  opts.n_boot, opts.seed,
+                                                                  runset.adaptive)),
         ("Noise study (the ablation's recipe)", lambda: sec.noise_section(
             abl_runs, out, opts.target_delta)),
         ("Ablation at each variant's tuned learning rate", lambda: sec.tuned_lr_section(

@@ -95,3 +95,22 @@ def test_adaptive_study_end_to_end_at_a_tiny_budget_resumes_without_training(tmp
     study = next(r for r in runs if r.data.tags.get("attnres.role") == "study")
     assert study.data.tags["verdict.block_vs_baseline"] == "not resolved at 3 seeds"
     assert study.data.metrics["block_vs_baseline.seeds"] == 3
+
+
+def test_the_report_quotes_the_stopping_rule_beside_a_snapshot(tmp_path):
+    """adaptive.json beside a snapshot (python -m analysis.adaptive --out that folder): the
+    ablation section states the rule and the intervals at the looks where comparisons stopped."""
+    from analysis import sections as sec
+    from analysis.adaptive import Status
+    from analysis.paper import load_paper
+
+    plan = Plan((("block", "baseline"),), start=2, max_seeds=4)
+    runs = _runs({"block": [1.9, 1.89, 1.91], "baseline": [2.0, 2.0, 2.0]})
+    adaptive = {"rule": plan.rule(), "comparisons": [
+        Status("block", "baseline", 3, -0.1, 0.05, True, "block < baseline").__dict__]}
+    section = sec.ablation_section(runs.assign(run_id=[f"r{i}" for i in range(6)]),
+                                   load_paper(None), tmp_path, adaptive=adaptive)
+    assert plan.rule() in section.text and "Bonferroni over the 3 looks" in section.text
+    assert "| block − baseline | 3 | -0.1000 | 0.0500 | block < baseline |" in section.text
+    assert "Seeds chosen adaptively" not in sec.ablation_section(
+        runs.assign(run_id=[f"r{i}" for i in range(6)]), load_paper(None), tmp_path).text

@@ -21,7 +21,7 @@ def _seeds(runs):
 
 
 def ablation_section(runs: pd.DataFrame, paper: Paper, out: Path, note: str = "",
-                     n_boot: int = 1000, seed: int = 0) -> Section:
+                     n_boot: int = 1000, seed: int = 0, adaptive: dict | None = None) -> Section:
     title = "Ablation (paper Table 4)"
     if runs.empty:
         return Section(title, "No finished ablation runs: this section is empty.\n",
@@ -86,8 +86,21 @@ def ablation_section(runs: pd.DataFrame, paper: Paper, out: Path, note: str = ""
         agree = [v for v in p_better if v in better]
         text += (f"The paper has {len(p_better)} of these variants below its baseline; our runs "
                  f"confirm {len(agree)} of them ({', '.join(agree) or 'none'}).\n")
-    text += "\n" + _what_it_would_take(runs, t)
+    text += "\n" + _adaptive_text(adaptive) + _what_it_would_take(runs, t)
     return Section(title, text, claims, files)
+
+
+def _adaptive_text(adaptive: dict | None) -> str:
+    """The stopping rule of `python -m analysis.adaptive` and its intervals, where the seeds of
+    these runs were chosen by it (adaptive.json beside the snapshot)."""
+    if not adaptive:
+        return ""
+    rows = [{"comparison": f"{c['a']} − {c['b']}", "seeds": c["n"], "Δ": _f(c["diff"]),
+             "half-width": _f(c["half"]), "verdict": c["verdict"]} for c in adaptive["comparisons"]]
+    return ("**Seeds chosen adaptively.** " + adaptive["rule"] + " The intervals at the look where "
+            "each comparison stopped (the table above gives fixed-n 95% intervals over all seeds "
+            "run, which the stopping rule makes slightly optimistic for these comparisons):\n\n"
+            + abl.to_markdown(pd.DataFrame(rows)) + "\n")
 
 
 def _design(row) -> str:
