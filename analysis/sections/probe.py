@@ -33,6 +33,8 @@ def wilson(acc, n_per_run: int, level: float = 0.95) -> tuple[float, float, floa
     a = a[np.isfinite(a)]
     if not len(a):
         return np.nan, np.nan, np.nan
+    if ((a < 0) | (a > 1)).any():  # not an accuracy: no binomial count behind it
+        return float(a.mean()), np.nan, np.nan
     count, nobs = int(round(float((a * n_per_run).sum()))), n_per_run * len(a)
     lo, hi = proportion_confint(count, nobs, alpha=1 - level, method="wilson")
     return count / nobs, float(lo), float(hi)
