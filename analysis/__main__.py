@@ -1,4 +1,4 @@
-"""Command line: ``python -m analysis {report,export} ...``.
+"""Command line: ``python -m analysis {report,export,noise} ...``.
 
 Exit status: 0 on success; 2 on bad input (missing file, unknown experiment, no runs, bad
 arguments), with one line on stderr naming the problem; 1 when the report was written but a
@@ -66,6 +66,21 @@ def parser() -> argparse.ArgumentParser:
                           "multihop, tuned_lr)")
     rep.add_argument("--paper-dir", default=None, help="folder of the paper's CSVs "
                      "(default: results/paper of this repository)")
+    noi = sub.add_parser("noise", help="noise study of one recipe: seed σ, same-seed-difference "
+                                       "σ, minimum detectable effects, seeds for a target Δ")
+    _source(noi, snapshot=True)
+    noi.add_argument("--out", required=True, help="output folder (noise_study.csv/.md/.png)")
+    noi.add_argument("--sweep", default=None, help="only the runs of this sweep (e.g. ablation)")
+    noi.add_argument("--baseline", default="baseline", help="variant compared against (default "
+                                                            "baseline)")
+    noi.add_argument("--variant", action="append", default=[], metavar="NAME",
+                     help="variant compared with the baseline; repeat (default: every other)")
+    noi.add_argument("--target", type=float, default=0.03, metavar="NATS",
+                     help="Δ to size seeds for (default 0.03); an input, never the observed Δ")
+    noi.add_argument("--seeds", default="2,4,8,16", metavar="N,N,...",
+                     help="seed counts at which to give the minimum detectable effect")
+    noi.add_argument("--metric", default="final_val_loss", help="run column (default "
+                                                                "final_val_loss)")
     exp = sub.add_parser("export", help="snapshot runs into a CSV (+ history and instrumentation)")
     _source(exp, snapshot=False)
     exp.add_argument("--out", required=True, help="CSV path, e.g. results/runs.csv")
@@ -88,10 +103,53 @@ def _check_out(out: Path, folder: bool) -> None:
         raise AnalysisInputError(f"--out {out}: cannot write in {above} ({exc.strerror or exc})") from None
 
 
+def _noise_options(args) -> None:
+    """Check the noise study's options (before the runs are loaded); ``args.ns`` set."""
+    try:
+        args.ns = sorted({int(x) for x in args.seeds.split(",") if x.strip()})
+    except ValueError:
+        raise AnalysisInputError(f"--seeds {args.seeds!r}: expected whole numbers, e.g. 2,4,8") from None
+    if not args.ns or min(args.ns) < 2:
+        raise AnalysisInputError(f"--seeds {args.seeds!r}: each count must be >= 2")
+    if not args.target > 0:
+        raise AnalysisInputError(f"--target {args.target}: must be a positive Δ in the metric's unit")
+
+
+def _noise(args, runset) -> int:
+    from . import noise
+    from .ablation import to_markdown
+    from .report import _restricted
+
+    runs = runset.runs[runset.runs["status"] == "FINISHED"]
+    if args.sweep is not None:
+        runs = runs[runs["sweep"] == args.sweep]
+    if args.metric not in runs:
+        raise AnalysisInputError(f"--metric {args.metric}: not a column of the runs")
+    if runs.empty:
+        raise AnalysisInputError("no finished runs" + (f" in sweep {args.sweep!r}" if args.sweep else ""))
+    runs, note = _restricted(runs)
+    have = set(runs["variant"])
+    wanted = args.variant or sorted(have - {args.baseline})
+    missing = [v for v in [args.baseline, *wanted] if v not in have]
+    if missing or not wanted:
+        raise AnalysisInputError(f"variant(s) {', '.join(missing) or '(none to compare)'} not among "
+                                 f"the runs; allowed: {', '.join(sorted(have))}")
+    table = noise.noise_table(runs, args.baseline, wanted, args.metric, tuple(args.ns), args.target)
+    out = Path(args.out)
+    paths = noise.write(table, out) + noise.plot(table, out, ns_max=max(32, max(args.ns)))
+    if note:
+        print(f"note: {note}")
+    print(to_markdown(noise.shown(table)), end="")
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        _check_out(Path(args.out).expanduser().absolute(), folder=args.command == "report")
+        _check_out(Path(args.out).expanduser().absolute(), folder=args.command != "export")
+        if args.command == "noise":
+            _noise_options(args)
         if args.command == "report":  # check options before the (slow) loading of runs
             if args.n_boot < 0:
                 raise AnalysisInputError("--n-boot must be >= 0")
@@ -112,6 +170,8 @@ def main(argv=None) -> int:
                     raise
                 raise AnalysisInputError(f"{exc} (the default store; allowed: --tracking-uri URI, "
                                          "$MLFLOW_TRACKING_URI or --snapshot CSV)") from None
+        if args.command == "noise":
+            return _noise(args, runset)
         if args.command == "export":
             paths = export_snapshot(runset, args.out)
             print(f"wrote {len(runset.runs)} runs to {', '.join(map(str, paths))}")

@@ -2,12 +2,15 @@
 
 Design decisions:
 
-* **Intervals and tests are those of analysis.significance** (Student-t over seeds, Welch for
-  differences, Holm over a family): Δ vs our baseline comes with a Welch interval, so "beats the
-  baseline" means the interval lies below 0.
+* **Intervals and tests are those of analysis.significance**: Δ vs our baseline is the mean of
+  same-seed differences with its paired t interval where two or more seeds are shared (runs of
+  one `train.seed` share data order and initial weights, so pairing removes most seed noise),
+  Welch's interval over all runs beside it (and primary where seeds do not pair); Holm over the
+  family. "Beats the baseline" means the primary interval lies below 0.
 * **Rank agreement** with the paper is Kendall's τ-b (scipy) between our mean losses and the
-  paper's, over the variants both have, with its two-sided p-value. With 12 rows the paper's own
-  spreads (1.731-1.767) are a few thousandths apart, so τ is reported whatever it is.
+  paper's, over the variants both have, with its two-sided p-value, a bootstrap interval over
+  seeds, and whether our runs tell the variants apart at all (F test of a variant + seed model,
+  :func:`significance.rank_resolution`): where they do not, τ orders noise.
 * Table order follows the paper's Table 4; variants the paper lacks come last.
 * Markdown and LaTeX are written here (no tabulate / jinja2 dependency) so the files are stable.
 """
@@ -21,7 +24,7 @@ import pandas as pd
 from scipy import stats
 
 from .paper import KNOWN_VARIANTS
-from .significance import holm, t_interval, welch_interval, welch_p
+from .significance import RankResolution, compare, holm, rank_resolution, t_interval
 
 
 def _order(variants) -> list[str]:
@@ -35,51 +38,62 @@ class AblationResult:
     tau: float
     p_value: float
     n_common: int
+    resolution: RankResolution | None = None
 
 
 def ablation_table(runs: pd.DataFrame, paper_loss: dict[str, float] | None = None,
-                   baseline: str = "baseline", metric: str = "final_val_loss") -> AblationResult:
+                   baseline: str = "baseline", metric: str = "final_val_loss",
+                   n_boot: int = 1000, seed: int = 0) -> AblationResult:
     """Table 4 from finished runs: one row per variant.
 
-    Columns: variant, n, loss, loss_ci (half-width), delta, delta_ci (Welch half-width),
-    paper_loss, paper_delta, verdict (``better`` / ``worse`` / ``tie`` by the Welch interval,
-    ``n/a`` without one), p (Welch's two-sided p-value against the baseline) and p_holm (p with
-    Holm's correction over every variant compared with the baseline: the verdicts are each at
-    5%, and a dozen of them at 5% find one "difference" by chance every other time).
+    Columns: variant, n, loss, loss_ci (half-width), delta, delta_ci, design (``paired``: mean
+    of same-seed differences over ``pairs`` seeds, t interval; ``welch``: no two seeds shared),
+    p (the primary test's two-sided p-value), welch_delta, welch_ci, welch_p (Welch over all
+    runs, beside it), paper_loss, paper_delta, verdict (``better`` / ``worse`` / ``tie`` by the
+    primary interval, ``n/a`` without one) and p_holm (p with Holm's correction over every
+    variant compared with the baseline).
     """
     paper_loss = paper_loss or {}
-    groups = {v: g[metric].to_numpy(float) for v, g in runs.groupby("variant")}
+    groups = {v: g for v, g in runs.groupby("variant")}
     base = groups.get(baseline)
     p_base = paper_loss.get(baseline)
     rows = []
     for v in _order(groups):
-        mean, half, n = t_interval(groups[v])
-        delta, dhalf = welch_interval(groups[v], base) if base is not None else (np.nan, np.nan)
+        g = groups[v]
+        mean, half, n = t_interval(g[metric])
+        row = {"variant": v, "n": n, "loss": mean, "loss_ci": half, "delta": np.nan,
+               "delta_ci": np.nan, "design": "–", "pairs": 0, "p": np.nan,
+               "welch_delta": np.nan, "welch_ci": np.nan, "welch_p": np.nan}
         if v == baseline:
-            delta, dhalf = 0.0, np.nan
-        if v == baseline or not np.isfinite(dhalf):
-            verdict = "n/a"
-        elif delta + dhalf < 0:
-            verdict = "better"
-        elif delta - dhalf > 0:
-            verdict = "worse"
-        else:
-            verdict = "tie"
+            row["delta"] = 0.0
+        elif base is not None:
+            paired = "seed" in runs  # snapshots without seeds compare unpaired
+            c = compare(g[metric], base[metric], g["seed"] if paired else None,
+                        base["seed"] if paired else None)
+            row.update(delta=c.diff, delta_ci=c.half, design=c.design,
+                       pairs=c.n if c.design == "paired" else 0, p=c.p, welch_delta=c.welch_diff,
+                       welch_ci=c.welch_half, welch_p=c.welch_p)
+        d, h = row["delta"], row["delta_ci"]
+        row["verdict"] = ("n/a" if v == baseline or not np.isfinite(h) else "better" if d + h < 0
+                          else "worse" if d - h > 0 else "tie")
         pl = paper_loss.get(v, np.nan)
-        rows.append({"variant": v, "n": n, "loss": mean, "loss_ci": half, "delta": delta,
-                     "delta_ci": dhalf, "paper_loss": pl,
-                     "paper_delta": pl - p_base if p_base is not None else np.nan,
-                     "verdict": verdict,
-                     "p": welch_p(groups[v], base) if base is not None and v != baseline else np.nan})
-    table = pd.DataFrame(rows)
+        row["paper_loss"] = pl
+        row["paper_delta"] = pl - p_base if p_base is not None else np.nan
+        rows.append(row)
+    cols = ["variant", "n", "loss", "loss_ci", "delta", "delta_ci", "design", "pairs", "p",
+            "welch_delta", "welch_ci", "welch_p", "paper_loss", "paper_delta", "verdict"]
+    table = pd.DataFrame(rows)[cols]
     table["p_holm"] = holm(table["p"])
     common = table.dropna(subset=["loss", "paper_loss"])
+    resolution = None
     if len(common) >= 2:
         res = stats.kendalltau(common["loss"], common["paper_loss"])
         tau, p = float(res.statistic), float(res.pvalue)
+        resolution = rank_resolution(runs, paper_loss, metric, n_boot=n_boot, seed=seed)
     else:
         tau, p = np.nan, np.nan
-    return AblationResult(table=table, tau=tau, p_value=p, n_common=len(common))
+    return AblationResult(table=table, tau=tau, p_value=p, n_common=len(common),
+                          resolution=resolution)
 
 
 def block_size_of(runs: pd.DataFrame) -> pd.Series:
@@ -133,6 +147,10 @@ def formatted(table: pd.DataFrame) -> pd.DataFrame:
                              for m, h in zip(table["loss"], table["loss_ci"])],
         "Δ (ours)": [f"{_fmt(d, signed=True)} ± {_fmt(h)}" if np.isfinite(h)
                      else _fmt(d, signed=True) for d, h in zip(table["delta"], table["delta_ci"])],
+        "design": [f"{d} ({k})" if d == "paired" else d
+                   for d, k in zip(table["design"], table["pairs"])],
+        "Δ Welch": [f"{_fmt(d, signed=True)} ± {_fmt(h)}" if np.isfinite(h) else "–"
+                    for d, h in zip(table["welch_delta"], table["welch_ci"])],
         "Val. loss (paper)": [_fmt(x, 3) for x in table["paper_loss"]],
         "Δ (paper)": [_fmt(x, 3, signed=True) for x in table["paper_delta"]],
         "vs baseline": table["verdict"],
@@ -184,6 +202,25 @@ def to_latex(df: pd.DataFrame, caption: str = "", label: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def resolution_text(r: RankResolution) -> str:
+    """Could these runs order the variants: τ's power, its bootstrap interval, the F test."""
+    if not np.isfinite(r.power):
+        return "Whether the runs could resolve a ranking is untested (fewer than two seeds)."
+    head = (f"Were our variants ordered and spaced exactly as the paper's (range "
+            f"{r.reference_spread:.3f}), τ's test would find that order with probability "
+            f"{r.power:.0%} at our noise (standard error of a variant's mean {r.median_se:.4f}, "
+            "median; simulated): ")
+    head += ("the data can resolve the paper's ranking" if r.resolvable else
+             "the data cannot resolve the paper's ranking, so τ says nothing for or against it")
+    ci = (f"; bootstrap 95% interval of τ over seeds [{r.tau_lo:.2f}, {r.tau_hi:.2f}]"
+          if np.isfinite(r.tau_lo) else "")
+    f = (f". Our variants do differ among themselves (F = {r.f:.2f}, p = {r.f_p:.2g}, variant + "
+         f"seed model; range of means {r.spread:.3f})" if np.isfinite(r.f_p) and r.f_p < 0.05 else
+         f". Our variants are not told apart among themselves (F = {r.f:.2f}, p = {r.f_p:.2g}, "
+         "variant + seed model)" if np.isfinite(r.f_p) else "")
+    return head + ci + f + "."
+
+
 def write_tables(result: AblationResult, folder, stem: str = "table4_ablation") -> list:
     """CSV, Markdown and LaTeX versions of the ablation table."""
     folder = Path(folder)
@@ -193,7 +230,10 @@ def write_tables(result: AblationResult, folder, stem: str = "table4_ablation") 
     pretty = formatted(result.table)
     tau = (f"Kendall τ = {result.tau:.3f} (p = {result.p_value:.3g}, {result.n_common} variants)"
            if np.isfinite(result.tau) else "Kendall τ: fewer than 2 variants shared with the paper")
+    if result.resolution is not None:
+        tau += " " + resolution_text(result.resolution)
     paths[1].write_text(to_markdown(pretty) + "\n" + tau + "\n")
     paths[2].write_text(to_latex(pretty, caption="Ablation (ours vs paper Table 4), mean ± 95% "
-                                 "t-interval over seeds. " + tau, label="tab:ablation"))
+                                 "t-interval over seeds; Δ paired over shared seeds. " + tau,
+                                 label="tab:ablation"))
     return paths

@@ -49,6 +49,7 @@ class Options:
     multiplier_at: float | None = None  # PFLOP/s-days; None: our largest scaling run
     roles: dict[str, str] = field(default_factory=dict)  # sweep name -> section
     paper_dir: Path | None = None
+    target_delta: float = 0.03  # nats: the effect the noise study sizes seeds for
 
 
 # Sweep-name prefixes that feed a section under another name: the Optuna learning-rate studies
@@ -158,6 +159,16 @@ def _tuned_lr_runs(fin: pd.DataFrame, abl_runs: pd.DataFrame) -> tuple[pd.DataFr
         notes.append("the ablation's runs were trained with another recipe than the grid's and do not "
                      "extend it")
     return tuned[key == top], extra, "; ".join(notes)
+
+
+def _repeats(runs: pd.DataFrame, of: pd.DataFrame) -> frozenset:
+    """Run ids of ``runs`` that repeat a run of ``of``: same recipe, variant, variant settings
+    and seed (another sweep's copy of the same training)."""
+    if runs.empty or of.empty:
+        return frozenset()
+    cols = [c for c in CONFIG_COLUMNS + RESIDUAL_COLUMNS + ("variant", "seed") if c in runs and c in of]
+    key = _config_key(runs, cols)
+    return frozenset(runs.loc[key.isin(set(_config_key(of, cols))), "run_id"])
 
 
 def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -282,11 +293,16 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
     tuned, tuned_extra, tuned_note = _tuned_lr_runs(fin, abl_runs)
 
     jobs = [
-        ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note)),
+        ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note,
+                                                                  opts.n_boot, opts.seed,
+                                                                  runset.adaptive)),
+        ("Noise study (the ablation's recipe)", lambda: sec.noise_section(
+            abl_runs, out, opts.target_delta)),
         ("Ablation at each variant's tuned learning rate", lambda: sec.tuned_lr_section(
             tuned, tuned_extra, paper, out, tuned_note)),
         ("Block size (paper Fig. 6)", lambda: sec.block_size_section(
-            fin[fin["section"] == "block_size"], paper, out)),
+            fin[fin["section"] == "block_size"], paper, out,
+            _repeats(fin[fin["section"] == "block_size"], abl_runs))),
         ("Scaling (paper Fig. 4 and Table 2)", lambda: sec.scaling_section(
             fin[fin["section"] == "scaling"], paper, out, n_boot=opts.n_boot, seed=opts.seed,
             at=opts.multiplier_at, level=opts.level)),

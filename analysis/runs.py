@@ -89,6 +89,7 @@ class RunSet:
         columns=["run_id", "key", "step", "value"]))
     instrumentation: dict[str, dict] = field(default_factory=dict)
     source: str = ""
+    adaptive: dict | None = None  # adaptive.json beside a snapshot: the seeds' stopping rule and verdicts
 
     @property
     def finished(self) -> pd.DataFrame:
@@ -341,5 +342,7 @@ def import_snapshot(path) -> RunSet:
     histories = (pd.read_csv(hist_path, dtype={"run_id": str, "key": str})
                  if hist_path.is_file() else RunSet(runs).histories)
     instrumentation = json.loads(inst_path.read_text()) if inst_path.is_file() else {}
+    adaptive_path = path.parent / "adaptive.json"  # python -m analysis.adaptive --out <that folder>
+    adaptive = json.loads(adaptive_path.read_text()) if adaptive_path.is_file() else None
     return RunSet(runs=runs, histories=histories, instrumentation=instrumentation,
-                  source=f"snapshot {path.name}")
+                  source=f"snapshot {path.name}", adaptive=adaptive)

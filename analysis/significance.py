@@ -16,6 +16,7 @@ Design decisions:
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -148,3 +149,205 @@ def seeds_needed(sigma: float, delta: float, level: float = LEVEL, power: float 
         else:
             hi = mid
     return float(hi)
+
+
+# --------------------------------------------------------------------------------------------
+# Paired designs: runs that share `train.seed` share data order and initial weights outside the
+# residual, so their difference cancels most of the seed noise the Welch interval carries.
+# --------------------------------------------------------------------------------------------
+def by_seed(values, seeds) -> pd.Series:
+    """Finite ``values`` indexed by seed, one per seed (the mean where a seed repeats)."""
+    s = pd.Series(np.asarray(values, float), index=pd.Index(np.asarray(seeds, float), name="seed"))
+    s = s[np.isfinite(s.to_numpy()) & np.isfinite(s.index.to_numpy())]
+    return s.groupby(level=0).mean()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """a − b over runs. ``diff ± half`` (``p``) is the primary interval: paired (same-seed
+    differences, a one-sample t interval) when two or more seeds are shared, else Welch's. The
+    Welch interval over all runs is always beside it. With ``log`` the values were compared on
+    the log scale: ``diff`` is log(a/b), and :attr:`ratio` with its interval is exp of it."""
+    diff: float
+    half: float
+    p: float
+    n: int  # pairs for a paired interval, else the smaller side's runs
+    design: str  # "paired" | "welch"
+    welch_diff: float
+    welch_half: float
+    welch_p: float
+    log: bool = False
+
+    @property
+    def lo(self) -> float:
+        return self.diff - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.diff + self.half
+
+    @property
+    def ratio(self) -> tuple[float, float, float]:
+        """(exp(diff), exp(lo), exp(hi)): the ratio a/b and its interval, for ``log``."""
+        return float(np.exp(self.diff)), float(np.exp(self.lo)), float(np.exp(self.hi))
+
+
+def paired_t(a: pd.Series, b: pd.Series, level: float = LEVEL) -> tuple[float, float, float, int]:
+    """(mean of a − b over shared seeds, t half-width, two-sided p, pairs): scipy's paired t test
+    on the seeds both Series (indexed by seed, :func:`by_seed`) have; NaN below two pairs, and a
+    zero half-width with a NaN p when every difference is the same."""
+    common = a.index.intersection(b.index)
+    d = (a[common] - b[common]).to_numpy(float)
+    n = len(d)
+    if n == 0:
+        return np.nan, np.nan, np.nan, 0
+    if n == 1:
+        return float(d[0]), np.nan, np.nan, 1
+    if not d.std(ddof=1) > 0:
+        return float(d.mean()), 0.0, np.nan, n
+    res = stats.ttest_rel(a[common].to_numpy(float), b[common].to_numpy(float))
+    lo, hi = res.confidence_interval(level)
+    return float(d.mean()), float((hi - lo) / 2), float(res.pvalue), n
+
+
+def compare(a, b, seeds_a=None, seeds_b=None, log: bool = False,
+            level: float = LEVEL) -> Comparison:
+    """a − b (values of runs; seeds_* their `train.seed`, None when they do not pair). Ratios
+    (anything multiplicative: growth, max/min) go with ``log=True``: a ratio's scatter is
+    multiplicative and its linear interval can cross 0, a value it cannot take."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if log:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            a, b = np.log(np.where(a > 0, a, np.nan)), np.log(np.where(b > 0, b, np.nan))
+    wd, wh = welch_interval(a, b, level)
+    wp = welch_p(a, b)
+    if seeds_a is not None and seeds_b is not None:
+        d, h, p, n = paired_t(by_seed(a, seeds_a), by_seed(b, seeds_b), level)
+        if n >= 2:
+            return Comparison(d, h, p, n, "paired", wd, wh, wp, log)
+    n = int(min(np.isfinite(a).sum(), np.isfinite(b).sum()))
+    return Comparison(wd, wh, wp, n, "welch", wd, wh, wp, log)
+
+
+def log_t_interval(values, level: float = LEVEL) -> tuple[float, float, float, float]:
+    """(geometric mean, its interval low, high, two-sided p of "ratio = 1") of positive ratios:
+    the t interval of their logs, exponentiated."""
+    v = np.asarray(values, float)
+    v = np.log(v[np.isfinite(v) & (v > 0)])
+    m, h, _ = t_interval(v, level)
+    return float(np.exp(m)), float(np.exp(m - h)), float(np.exp(m + h)), t_p(v, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Power from a stated target effect (never from the observed one: that answers nothing).
+# --------------------------------------------------------------------------------------------
+def mde(sigma: float, n: int, paired: bool, level: float = LEVEL, power: float = 0.8) -> float:
+    """Minimum detectable effect of a two-sided test at ``level`` with ``power``: ``paired``, a
+    one-sample t test over n same-seed differences of scatter ``sigma``; else a two-sample t
+    test with n seeds per arm and seed scatter ``sigma`` (statsmodels' power solvers)."""
+    from statsmodels.stats.power import TTestIndPower, TTestPower
+
+    if not np.isfinite(sigma) or sigma < 0 or n < 2:
+        return np.nan
+    solver = TTestPower() if paired else TTestIndPower()
+    size = {"nobs": n} if paired else {"nobs1": n, "ratio": 1.0}
+    d = solver.solve_power(effect_size=None, alpha=1 - level, power=power,
+                           alternative="two-sided", **size)
+    return float(d) * sigma
+
+
+def seeds_needed_paired(sd_diff: float, delta: float, level: float = LEVEL,
+                        power: float = 0.8) -> float:
+    """Seeds (pairs) for a paired t test at ``level`` to detect a true difference ``delta`` with
+    ``power``, when same-seed differences scatter with ``sd_diff``: the smallest n ≥ 2 whose
+    statsmodels power reaches ``power``."""
+    from statsmodels.stats.power import TTestPower
+
+    if not (np.isfinite(sd_diff) and np.isfinite(delta)) or delta == 0 or sd_diff < 0:
+        return np.nan
+    if sd_diff == 0:
+        return 2.0
+    calc, effect = TTestPower(), abs(delta) / sd_diff
+
+    def enough(n):
+        return calc.power(effect_size=effect, nobs=n, alpha=1 - level,
+                          alternative="two-sided") >= power
+
+    # Start from the normal approximation (close, and never far below the t answer), then step
+    # to the first whole n whose t-test power reaches the target.
+    z = stats.norm.ppf((1 + level) / 2) + stats.norm.ppf(power)
+    n = max(2, int(np.ceil((z / effect) ** 2)))
+    while n > 2 and enough(n - 1):
+        n -= 1
+    while not enough(n):
+        n += 1
+    return float(n)
+
+
+# --------------------------------------------------------------------------------------------
+# Could the data order the variants at all?
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankResolution:
+    """F test of "all variants have the same mean loss" in a variant + seed model (seeds as
+    blocks where they pair runs), and a bootstrap interval of Kendall's τ against a reference
+    ordering, resampling each variant's seeds; and ``power``: the chance that τ's test finds the
+    reference's order at 5% if our variants differed exactly as the reference does, each mean
+    blurred by its standard error (simulated). ``resolvable``: that power reaches 80%; otherwise a
+    τ near 0 is what these runs give whatever the true order, and says nothing against it."""
+    f: float
+    f_p: float
+    tau_lo: float
+    tau_hi: float
+    median_se: float  # standard error of a variant's mean, median over variants
+    spread: float  # range of the variants' mean losses
+    power: float  # of Kendall's test at 5%, were the true means the reference's
+    reference_spread: float  # range of the reference's values
+
+    @property
+    def resolvable(self) -> bool:
+        return bool(np.isfinite(self.power) and self.power >= 0.8)
+
+
+def rank_resolution(runs: pd.DataFrame, reference: dict, metric: str = "final_val_loss",
+                    n_boot: int = 1000, seed: int = 0, level: float = LEVEL) -> RankResolution:
+    import statsmodels.formula.api as smf
+    from statsmodels.stats.anova import anova_lm
+
+    cols = ["variant", metric] + (["seed"] if "seed" in runs else [])
+    d = runs[cols].dropna(subset=[metric]).rename(columns={metric: "y"})
+    groups = {v: g["y"].to_numpy(float) for v, g in d.groupby("variant")}
+    ses = [g.std(ddof=1) / np.sqrt(len(g)) for g in groups.values() if len(g) >= 2]
+    means = {v: g.mean() for v, g in groups.items()}
+    spread = float(max(means.values()) - min(means.values())) if means else np.nan
+    f = fp = np.nan
+    if len(groups) >= 2 and len(d) > len(groups):
+        paired = ("seed" in d and d["seed"].notna().all()
+                  and d.groupby("seed")["variant"].nunique().max() > 1)
+        formula = "y ~ C(variant) + C(seed)" if paired else "y ~ C(variant)"
+        data = d.assign(seed=d["seed"].astype(str)) if paired else d
+        table = anova_lm(smf.ols(formula, data=data).fit())
+        f, fp = float(table.loc["C(variant)", "F"]), float(table.loc["C(variant)", "PR(>F)"])
+    common = [v for v in groups if v in reference and np.isfinite(reference[v])]
+    lo = hi = power = ref_spread = np.nan
+    if len(common) >= 2:
+        ref = np.array([reference[v] for v in common])
+        ref_spread = float(ref.max() - ref.min())
+    if len(common) >= 2 and n_boot > 0:
+        rng = np.random.default_rng(seed)
+        se = np.array([groups[v].std(ddof=1) / np.sqrt(len(groups[v])) if len(groups[v]) >= 2
+                       else np.nan for v in common])
+        se = np.where(np.isfinite(se), se, np.nanmedian(se) if np.isfinite(se).any() else np.nan)
+        if np.isfinite(se).all():
+            hits = [stats.kendalltau(ref + rng.normal(0.0, se), ref) for _ in range(n_boot)]
+            power = float(np.mean([h.pvalue < 1 - level and h.statistic > 0 for h in hits]))
+        taus = []
+        for _ in range(n_boot):
+            m = [rng.choice(groups[v], len(groups[v])).mean() for v in common]
+            t = stats.kendalltau(m, ref).statistic
+            if np.isfinite(t):
+                taus.append(t)
+        if taus:
+            lo, hi = np.quantile(taus, [(1 - level) / 2, (1 + level) / 2])
+    return RankResolution(f, fp, float(lo), float(hi),
+                          float(np.median(ses)) if ses else np.nan, spread, power, ref_spread)

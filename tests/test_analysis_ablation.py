@@ -79,7 +79,7 @@ def test_writers(tmp_path):
     res = abl.ablation_table(_runs({"baseline": [2.0, 2.01], "full_sigmoid": [1.98, 1.97]}), paper)
     md, tex = (p.read_text() for p in abl.write_tables(res, tmp_path)[1:])
     assert md.count("\n|") == 3 and "full_sigmoid" in md and "Kendall τ" in md
-    assert r"full\_sigmoid" in tex and r"\begin{tabular}{lrrrrrr}" in tex and "$\\pm$" in tex
+    assert r"full\_sigmoid" in tex and r"\begin{tabular}{lrrrrrrrr}" in tex and "$\\pm$" in tex
     assert tex.isascii() and r"Kendall $\tau$ = " in tex  # pdflatex refuses a raw τ
     back = pd.read_csv(tmp_path / "table4_ablation.csv")
     assert back.loc[1, "delta"] == pytest.approx(-0.03)

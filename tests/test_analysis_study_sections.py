@@ -85,6 +85,28 @@ def test_multihop_section_tabulates_each_hop_and_judges_against_the_baseline(tmp
     assert "| block | 3 |" in section.text
 
 
+def test_multihop_wilson_interval_pools_the_runs_prompts(tmp_path):
+    """Per hop: the runs' correct answers pooled into one binomial count (200 prompts per run on
+    the default probe), its Wilson interval (closed form below), and whether the baseline's at one
+    hop excludes chance."""
+    from analysis.sections.probe import wilson
+
+    p, n, z = 30 / 200, 200, stats.norm.ppf(0.975)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    acc, lo, hi = wilson([0.15], 200)
+    assert acc == 0.15 and lo == pytest.approx(centre - half, abs=1e-12)
+    assert hi == pytest.approx(centre + half, abs=1e-12)
+    acc, lo, hi = wilson([0.1, 0.2], 200)  # 20 + 40 of 400
+    assert acc == pytest.approx(0.15, abs=1e-12) and hi - lo < 2 * half
+    runs = _probe_runs(gain=0.05)
+    section = sec.multihop_section(runs, tmp_path)
+    table = pd.read_csv(tmp_path / "tables" / "multihop_probe.csv").set_index("variant")
+    base = runs[runs.variant == "baseline"]["probe_acc_hop_1"]
+    assert table.loc["baseline", "hop 1 wilson_lo"] == pytest.approx(wilson(base, 200)[1], rel=1e-5)
+    assert "The baseline at 1 hop: Wilson interval" in section.text and "above chance (0.1)" in section.text
+
+
 def test_multihop_section_says_so_when_every_run_is_at_chance(tmp_path):
     runs = _probe_runs(gain=0.0)
     assert "near chance" not in sec.multihop_section(runs, tmp_path).text  # 1-hop ≈ 0.9: learned
@@ -312,13 +334,16 @@ def test_arch_says_which_ratios_were_trained_and_how_many_blocks_block_had(tmp_p
 @pytest.mark.parametrize("last, verdict", [((0.3, 0.35, 0.4), "does not agree"), ((2.0, 2.2, 2.1), "agrees")])
 def test_dynamics_tests_the_baselines_growth_on_its_own(tmp_path, last, verdict):
     """The paper's premise, output RMS growing with depth in the baseline, is a claim of its own:
-    growth (last block's output RMS over the first's) against 1, t-interval over the runs."""
+    growth (last block's output RMS over the first's) against 1, a t-interval of log growth over
+    the runs (a ratio: its interval, exponentiated, stays positive)."""
     runs = pd.DataFrame({"run_id": [f"b{i}" for i in range(3)], "variant": "baseline", "seed": range(3)})
     inst = {f"b{i}": {"output_rms_block": [1.0, 0.8, x], "grad_norm_block": [1.0, 2.0, 3.0]}
             for i, x in enumerate(last)}
     section = sec.dynamics_section(runs, inst, tmp_path)
     claim = next(c for c in section.claims if c.claim.startswith("Output magnitude grows with depth for the baseline"))
-    assert claim.verdict == verdict and "over 3 runs" in claim.ours
+    assert claim.verdict == verdict and "3 runs" in claim.ours
+    logs = np.log(last)
+    assert abs(claim.p - stats.ttest_1samp(logs, 0.0).pvalue) < 1e-12
 
 
 def test_scaling_notes_how_many_blocks_its_block_runs_had():
@@ -387,8 +412,8 @@ def test_a_verdict_without_a_p_value_is_not_counted_as_failing_holms_adjustment(
 
 
 def test_claims_carry_the_p_value_of_the_test_behind_their_interval(tmp_path):
-    """Full − Block's Welch interval and Fig. 8's t-interval over runs: the claim's p is that of
-    Welch's test and of the one-sample t test (scipy), to 1e-12."""
+    """Full − Block's paired interval (the runs share seeds) and Fig. 8's t-interval over runs:
+    the claim's p is that of the paired t test and of the one-sample t test (scipy), to 1e-12."""
     from analysis.paper import load_paper
 
     rng = np.random.default_rng(1)
@@ -397,9 +422,9 @@ def test_claims_carry_the_p_value_of_the_test_behind_their_interval(tmp_path):
     runs = pd.DataFrame(rows)
     section = sec.ablation_section(runs, load_paper(None), tmp_path)
     claim = next(c for c in section.claims if c.claim.startswith("Full AttnRes ≤ Block AttnRes"))
-    want = stats.ttest_ind(runs[runs.variant == "full"].final_val_loss,
-                           runs[runs.variant == "block"].final_val_loss, equal_var=False).pvalue
-    assert abs(claim.p - want) < 1e-12
+    want = stats.ttest_rel(runs[runs.variant == "full"].final_val_loss,
+                           runs[runs.variant == "block"].final_val_loss).pvalue
+    assert abs(claim.p - want) < 1e-12 and "paired over 4 seeds" in claim.ours
     nan = float("nan")
     inst, excess = {}, []
     for s in range(3):

@@ -110,3 +110,39 @@ def test_accuracy_with_the_real_model():
     model = DecoderLM(ModelConfig(d_model=32, layers=1, n_heads=2, max_seq_len=64))
     acc = probe.accuracy(model, torch.device("cpu"))
     assert set(acc) == {1, 2} and all(0.0 <= a <= 1.0 for a in acc.values())
+
+
+def test_extra_queries_answer_other_variables_and_keep_the_scored_prefix():
+    """data.queries: after the scored answer, that many queries about other variables, each with
+    the digit its chain resolves to; every example keeps one length, and the scored query still
+    comes first, so the prompt the model is scored on is a prefix of what it trained on."""
+    plain = MultiHopProbe(hops=(1, 2, 3, 4), n_vars=8, train_examples=200, val_examples=80, seed=5)
+    multi = MultiHopProbe(hops=(1, 2, 3, 4), n_vars=8, train_examples=200, val_examples=80, seed=5,
+                          queries=7)
+    assert multi.example_len == plain.example_len + 4 * 7
+    depths = Counter()
+    for k, examples in multi.val_set().items():
+        assert all(e.k == k and resolve(e.prompt) == (e.answer, k) for e in examples)
+        for ex in examples:
+            assert len(ex.text) == multi.example_len
+            asked = re.findall(r"\?([a-z])=([0-9])", ex.extra)
+            assert len(asked) == 7 and len({v for v, _ in asked}) == 7
+            assert ex.prompt[-2] not in {v for v, _ in asked}  # never the scored variable again
+            body = ex.prompt.rsplit("?", 1)[0]
+            for var, digit in asked:
+                ans, hops = resolve(f"{body}?{var}=")
+                assert ans == digit
+                depths[hops] += 1
+    assert set(depths) >= {1, 2}  # the extra queries practise lookups of several depths
+    assert all(ex.text.startswith(ex.prompt + ex.answer + "?") for ex in multi.train_set())
+    assert multi.fingerprint(*(multi.tokens(s) for s in ("train", "val")))["queries"] == 7
+    assert "queries" not in plain.fingerprint(*(plain.tokens(s) for s in ("train", "val")))
+
+
+def test_queries_outside_the_variables_are_a_data_error():
+    from harness.data import DataError
+
+    with pytest.raises(DataError):
+        MultiHopProbe(n_vars=6, queries=6)
+    with pytest.raises(DataError):
+        MultiHopProbe(n_vars=6, queries=-1)

@@ -118,29 +118,41 @@ _gpu_sweep = pytest.mark.slow  # the GPU presets compose as the CPU ones do: che
 
 @pytest.mark.parametrize("name,jobs", [
     ("ablation", 39), pytest.param("ablation_gpu", 39, marks=_gpu_sweep), ("block_size", 14),
-    pytest.param("block_size_gpu", 14, marks=_gpu_sweep), ("scaling", 24), pytest.param("scaling_gpu", 15, marks=_gpu_sweep),
+    pytest.param("block_size_gpu", 14, marks=_gpu_sweep), ("scaling", 30), pytest.param("scaling_gpu", 15, marks=_gpu_sweep),
     ("arch", 30), pytest.param("arch_gpu", 50, marks=_gpu_sweep), ("multihop", 8), ("tuned_lr", 26),
 ])
 def test_every_job_of_every_sweep_validates(name, jobs):
     """Every job composes and validates (the GPU grids repeat the CPU ones' structure: first,
     middle and last job). The paper fixes N ≈ 8 blocks as depth grows, so every Block
     job of the GPU scaling ladder and architecture grid is checked for N = 7-9 (S = round(L/8),
-    block_n8; S = 4 gave 6-20 from 24 to 40 sublayers); its runs are still the variant `block`."""
+    block_n8; S = 4 gave 6-20 from 24 to 40 sublayers); its runs are still the variant `block`.
+    The CPU scaling ladder: Block with ≥ 4 blocks and S ≥ 2 (S = 1 is Full) at every size, ≥ 5
+    sizes, compute spanning ≥ 30× (a compute multiplier needs both)."""
     found = sweep_jobs([f"+sweep={name}"])
     assert len(found) == jobs
     eight_blocks = name in ("scaling_gpu", "arch_gpu")
     if name.endswith("_gpu"):
         ends = [found[0], found[len(found) // 2], found[-1]]
         found = ends + [j for j in found if eight_blocks and j not in ends and j[1].residual.name == "block"]
-    blocks = {}
+    blocks, compute, cpu_blocks = {}, {}, {}
     for overrides, cfg in found:
         spec = validate(cfg)
         assert spec.cfg.sweep.name == name.removesuffix("_gpu"), overrides
+        if name == "scaling":
+            compute.setdefault(spec.cfg.model.name, []).append(spec.counts["count.train_flops"])
+            if spec.cfg.residual.name == "block":
+                L, S = 2 * spec.cfg.model.layers, spec.cfg.residual.block_size
+                cpu_blocks[spec.cfg.model.name] = (-(-L // S), S)
         if eight_blocks and spec.cfg.residual.name == "block":
             L, S = 2 * spec.cfg.model.layers, spec.cfg.residual.block_size
             blocks[(spec.cfg.model.name, L)] = -(-L // S)  # whole blocks, the last one may be short
     if eight_blocks:
         assert len(blocks) >= 5 and all(7 <= n <= 9 for n in blocks.values()), blocks
+    if name == "scaling":
+        assert len(compute) >= 5 and set(cpu_blocks) == set(compute)
+        assert all(n >= 4 and S >= 2 for n, S in cpu_blocks.values()), cpu_blocks
+        per_size = sorted(min(v) for v in compute.values())
+        assert per_size[-1] / per_size[0] >= 30
 
 
 def test_the_sweep_folder_holds_the_ready_sweeps_and_the_optuna_one():

@@ -1,7 +1,7 @@
 """One function per section of REPORT.md, one module per kind of experiment: each reduces the runs,
 writes the section's tables and figure, and returns its Markdown plus the paper's claims it checks
 (`section.py`: the Section and Claim types and the one verdict rule they all follow)."""
-from .ablation import ablation_section, block_size_section, tuned_lr_section
+from .ablation import ablation_section, block_size_section, noise_section, tuned_lr_section
 from .architecture import arch_section
 from .curves import curves_section
 from .depth import depth_section, dynamics_section
@@ -10,5 +10,5 @@ from .scaling import scaling_section
 from .section import Claim, Section
 
 __all__ = ["Claim", "Section", "ablation_section", "arch_section", "block_size_section",
-           "curves_section", "depth_section", "dynamics_section", "multihop_section",
+           "curves_section", "depth_section", "dynamics_section", "multihop_section", "noise_section",
            "scaling_section", "tuned_lr_section"]

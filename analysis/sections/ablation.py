@@ -9,24 +9,33 @@ import pandas as pd
 from scipy import stats
 
 from .. import ablation as abl
-from ..significance import pooled_seed_sd, seeds_needed, welch_interval, welch_p
+from ..significance import compare, pooled_seed_sd, seeds_needed, seeds_needed_paired
+from .. import noise
 from .. import figures
 from ..paper import Paper
 from .section import Claim, Section, _f, _img, _md, _verdict, _write
 
 
-def ablation_section(runs: pd.DataFrame, paper: Paper, out: Path, note: str = "") -> Section:
+def _seeds(runs):
+    return runs["seed"] if "seed" in runs else None
+
+
+def ablation_section(runs: pd.DataFrame, paper: Paper, out: Path, note: str = "",
+                     n_boot: int = 1000, seed: int = 0, adaptive: dict | None = None) -> Section:
     title = "Ablation (paper Table 4)"
     if runs.empty:
         return Section(title, "No finished ablation runs: this section is empty.\n",
                        [Claim("Full and Block AttnRes beat the baseline", "no runs", "not tested")])
-    res = abl.ablation_table(runs, paper.table4_loss())
+    res = abl.ablation_table(runs, paper.table4_loss(), n_boot=n_boot, seed=seed)
     files = abl.write_tables(res, out / "tables")
     t = res.table.set_index("variant")
     text = (note + "\n\n" if note else "") + abl.to_markdown(abl.formatted(res.table)) + "\n"
     text += ("Loss: final validation loss, mean ± 95% t-interval over seeds; Δ: difference to our "
-             "baseline ± 95% Welch interval; 'vs baseline' is *better*/*worse* when that interval "
-             "excludes 0.\n\n")
+             "baseline, the mean of same-seed differences ± its 95% paired t interval where seeds "
+             "pair the runs (design: paired, with the number of shared seeds; runs of one "
+             "`train.seed` share data order and initial weights, so pairing removes the noise they "
+             "share), else Welch's; Δ Welch: the unpaired interval over all runs, beside it. "
+             "'vs baseline' is *better*/*worse* when the primary interval excludes 0.\n\n")
     claims = []
     for v, name in (("full", "Full AttnRes"), ("block", "Block AttnRes")):
         if v in t.index and "baseline" in t.index:
@@ -34,24 +43,31 @@ def ablation_section(runs: pd.DataFrame, paper: Paper, out: Path, note: str = ""
             pd_ = t.loc[v, "paper_delta"]
             paper_note = f" (paper Δ {pd_:+.3f})" if np.isfinite(pd_) else ""
             claims.append(Claim(f"{name} beats the baseline{paper_note}",
-                                f"Δ = {_f(d)} ± {_f(h)}", _verdict(d - h, d + h), t.loc[v, "p"]))
+                                f"Δ = {_f(d)} ± {_f(h)} ({_design(t.loc[v])}; Welch "
+                                f"{_f(t.loc[v, 'welch_delta'])} ± {_f(t.loc[v, 'welch_ci'])})",
+                                _verdict(d - h, d + h), t.loc[v, "p"]))
     if {"full", "block"} <= set(t.index):
         fr, br = runs[runs["variant"] == "full"], runs[runs["variant"] == "block"]
-        d, h = welch_interval(fr["final_val_loss"], br["final_val_loss"])
+        c = compare(fr["final_val_loss"], br["final_val_loss"], _seeds(fr), _seeds(br))
         pl = paper.table4_loss()
         quoted = (f" (paper {pl['full']:.3f} vs {pl['block']:.3f})"
                   if {"full", "block"} <= set(pl) else "")  # read from results/paper, not typed in
+        design = f"paired over {c.n} seeds" if c.design == "paired" else "Welch"
         claims.append(Claim(f"Full AttnRes ≤ Block AttnRes{quoted}",
-                            f"Full − Block = {_f(d)} ± {_f(h)}", _verdict(d - h, d + h),
-                            welch_p(fr["final_val_loss"], br["final_val_loss"])))
+                            f"Full − Block = {_f(c.diff)} ± {_f(c.half)} ({design}; Welch "
+                            f"{_f(c.welch_diff)} ± {_f(c.welch_half)})", _verdict(c.lo, c.hi), c.p))
     if np.isfinite(res.tau):
+        r = res.resolution
         v = ("agrees" if res.tau > 0 and res.p_value < 0.05 else
              "does not agree" if res.tau < 0 and res.p_value < 0.05 else "inconclusive")
         claims.append(Claim("Ranking of the variants matches the paper's",
-                            f"Kendall τ = {res.tau:.3f}, p = {res.p_value:.3g} over {res.n_common}",
+                            f"Kendall τ = {res.tau:.3f}, p = {res.p_value:.3g} over {res.n_common}"
+                            + ("" if r is None or not np.isfinite(r.power) else
+                               f"; power to resolve the paper's order {r.power:.0%}"),
                             v, res.p_value))
         text += (f"Rank agreement with the paper over the {res.n_common} variants both have: "
-                 f"Kendall τ = {res.tau:.3f} (p = {res.p_value:.3g}).\n\n")
+                 f"Kendall τ = {res.tau:.3f} (p = {res.p_value:.3g}). "
+                 + (abl.resolution_text(r) if r is not None else "") + "\n\n")
     better = [v for v in t.index if t.loc[v, "verdict"] == "better"]
     worse = [v for v in t.index if t.loc[v, "verdict"] == "worse"]
     ties = [v for v in t.index if t.loc[v, "verdict"] == "tie"]
@@ -63,42 +79,89 @@ def ablation_section(runs: pd.DataFrame, paper: Paper, out: Path, note: str = ""
         lowest = tested.sort_values("p").head(3)
         text += (f"Each of these is one of {len(tested)} comparisons at 5%; with Holm's correction "
                  f"for all of them (family-wise 5%) {len(held)} remain ({', '.join(held) or 'none'}); "
-                 "lowest p-values (Welch, Holm-adjusted): "
+                 "lowest p-values (primary test, Holm-adjusted): "
                  + ", ".join(f"{v} {r.p:.3g} → {r.p_holm:.3g}" for v, r in lowest.iterrows()) + ". ")
     p_better = [v for v in t.index if t.loc[v, "paper_delta"] < 0]
     if len(p_better):
         agree = [v for v in p_better if v in better]
         text += (f"The paper has {len(p_better)} of these variants below its baseline; our runs "
                  f"confirm {len(agree)} of them ({', '.join(agree) or 'none'}).\n")
-    text += "\n" + _what_it_would_take(runs, t)
+    text += "\n" + _adaptive_text(adaptive) + _what_it_would_take(runs, t)
     return Section(title, text, claims, files)
 
 
+def _adaptive_text(adaptive: dict | None) -> str:
+    """The stopping rule of `python -m analysis.adaptive` and its intervals, where the seeds of
+    these runs were chosen by it (adaptive.json beside the snapshot)."""
+    if not adaptive:
+        return ""
+    rows = [{"comparison": f"{c['a']} − {c['b']}", "seeds": c["n"], "Δ": _f(c["diff"]),
+             "half-width": _f(c["half"]), "verdict": c["verdict"]} for c in adaptive["comparisons"]]
+    return ("**Seeds chosen adaptively.** " + adaptive["rule"] + " The intervals at the look where "
+            "each comparison stopped (the table above gives fixed-n 95% intervals over all seeds "
+            "run, which the stopping rule makes slightly optimistic for these comparisons):\n\n"
+            + abl.to_markdown(pd.DataFrame(rows)) + "\n")
+
+
+def _design(row) -> str:
+    return f"paired over {int(row['pairs'])} seeds" if row["design"] == "paired" else "Welch"
+
+
 def _what_it_would_take(runs: pd.DataFrame, t: pd.DataFrame) -> str:
-    """How many seeds the paper's effect sizes would need at our noise level: the plain answer to
-    "would more runs of this size settle it, or is a larger scale needed?"."""
+    """Seeds the paper's effect sizes would need at our noise level, paired and unpaired: the
+    plain answer to "would more runs of this size settle it?". The effect is the paper's Δ, a
+    number fixed before our runs; the Δ we observed is never the target (that power only
+    restates its own p-value)."""
     sigma, dof = pooled_seed_sd(runs)
     if not np.isfinite(sigma) or "baseline" not in t.index:
         return ""
+    nt = noise.noise_table(runs, variants=[v for v in t.index if v != "baseline"])
+    sd_diff = nt.set_index("variant")["sd_diff"]
     lines = [f"**What it would take to tell.** Seed-to-seed noise at this scale: σ = {sigma:.4f} "
              f"(pooled over variants, {dof} degrees of freedom). Seeds per variant a two-sided "
-             "5%-level t test against the baseline (as many seeds for the baseline) needs for 80% "
-             "power, from the noncentral t distribution:\n"]
+             "5%-level t test against the baseline needs for 80% power to detect the paper's Δ: "
+             "unpaired (two-sample t, as many seeds for the baseline, pooled σ) and paired "
+             "(one-sample t over same-seed differences, with the σ of this variant's differences "
+             "to the baseline), from the noncentral t distribution:\n"]
     rows = []
     for v in t.index:
         if v == "baseline":
             continue
-        ours, paper_d = t.loc[v, "delta"], t.loc[v, "paper_delta"]
-        rows.append({"variant": v, "Δ ours": _f(ours), "seeds for our Δ": _f(
-            seeds_needed(sigma, ours), 0), "Δ paper": _f(paper_d, 3),
-            "seeds for the paper's Δ": _f(seeds_needed(sigma, paper_d), 0)})
+        paper_d = t.loc[v, "paper_delta"]
+        rows.append({"variant": v, "Δ paper": _f(paper_d, 3),
+                     "seeds unpaired": _f(seeds_needed(sigma, paper_d), 0),
+                     "σ same-seed diff": _f(sd_diff.get(v, np.nan)),
+                     "seeds paired": _f(seeds_needed_paired(sd_diff.get(v, np.nan), paper_d), 0)})
     lines.append(abl.to_markdown(pd.DataFrame(rows)))
-    lines.append("\nA variant whose own Δ needs far more seeds than we ran is a tie at this scale, "
-                 "not evidence against the paper. The paper's Δs were measured with millions of times "
-                 "our compute per run (its 436M-class models on billions of tokens), where seed "
-                 "noise is smaller and the gaps may differ, so 'seeds for the paper's Δ' is only a "
-                 "yardstick for how fine a difference this setup can resolve.\n")
+    lines.append("\nThe paper's Δs were measured with millions of times our compute per run (its "
+                 "436M-class models on billions of tokens), where seed noise is smaller and the gaps "
+                 "may differ, so these counts are a yardstick for how fine a difference this setup "
+                 "can resolve, not a prediction of what more seeds would show.\n")
     return "\n".join(lines)
+
+
+def noise_section(runs: pd.DataFrame, out: Path, target: float = 0.03,
+                  comparisons=("block", "full")) -> Section:
+    """The noise study of the ablation's recipe: seed σ, same-seed-difference σ, their
+    correlation, minimum detectable effects and seeds for a stated target Δ (analysis.noise)."""
+    title = "Noise study (the ablation's recipe)"
+    present = [v for v in comparisons if v in set(runs["variant"])] if len(runs) else []
+    if not present or "baseline" not in set(runs["variant"]):
+        return Section(title, "No baseline and compared variant among the ablation's runs.\n")
+    table = noise.noise_table(runs, variants=present, target=target)
+    files = noise.write(table, out / "tables") + noise.plot(table, out / "figures")
+    text = abl.to_markdown(noise.shown(table))
+    text += (f"\nσ variant / σ baseline: seed-to-seed standard deviation of each arm's final "
+             "validation loss; σ same-seed diff: that of variant − baseline at the same seed; corr: "
+             "correlation of the pairs (a paired design gains when it is high: σ_diff² = σ_a² + "
+             "σ_b² − 2·corr·σ_a·σ_b). MDE: the smallest true Δ a two-sided 5%-level test detects "
+             "with 80% power at n seeds (paired: one-sample t on n differences; unpaired: "
+             "two-sample t with n per arm). Seeds for Δ: the smallest n reaching 80% power for the "
+             f"stated target Δ = {target:g} nats (an input of the study, not an observed Δ). Each σ "
+             "is itself estimated from few seeds, so these counts are as uncertain as σ is; "
+             "`python -m analysis noise` recomputes them for any recipe.\n\n")
+    text += _img(files, out, "noise study")
+    return Section(title, text, [], files)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,7 +248,11 @@ def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, 
 
 
 
-def block_size_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
+def block_size_section(runs: pd.DataFrame, paper: Paper, out: Path,
+                       shared: frozenset = frozenset()) -> Section:
+    """``shared``: run ids that repeat a run of the ablation (same recipe, variant, settings and
+    seed): they are drawn and tabled here but tested only there, so that no run enters the
+    report's family of tests twice."""
     title = "Block size (paper Fig. 6)"
     table = abl.block_size_table(runs) if len(runs) else abl.block_size_table(
         pd.DataFrame(columns=["variant", "block_size", "layers", "num_blocks", "final_val_loss"]))
@@ -202,13 +269,18 @@ def block_size_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
     claims = []
     attn = runs[runs["variant"].isin(["block", "full"])].assign(S=abl.block_size_of)
     attn = attn.dropna(subset=["S"])
-    if attn["S"].nunique() >= 3:
-        res = stats.kendalltau(attn["S"], attn["final_val_loss"])
+    own = attn[~attn["run_id"].isin(shared)] if "run_id" in attn else attn
+    if len(own) < len(attn):
+        text += (f"{len(attn) - len(own)} of these runs repeat the ablation's own runs (same "
+                 "recipe, variant, settings and seed): they are tested there, so the trend test "
+                 f"below uses the {len(own)} runs of this sweep alone.\n\n")
+    if own["S"].nunique() >= 3:
+        res = stats.kendalltau(own["S"], own["final_val_loss"])
         v = ("agrees" if res.statistic > 0 and res.pvalue < 0.05 else "does not agree"
              if res.statistic < 0 and res.pvalue < 0.05 else "inconclusive")
         claims.append(Claim("Loss grows with block size S (S ≤ 8 near Full, larger S toward the "
                             "baseline)", f"Kendall τ(S, loss) = {res.statistic:.3f}, "
-                            f"p = {res.pvalue:.3g} over {len(attn)} runs", v, float(res.pvalue)))
+                            f"p = {res.pvalue:.3g} over {len(own)} runs", v, float(res.pvalue)))
         text += (f"Across runs, Kendall τ between S and loss is {res.statistic:.3f} "
                  f"(p = {res.pvalue:.3g})")
         f6 = paper.fig6.dropna(subset=["S"]).sort_values("S") if paper.fig6 is not None else None
@@ -217,15 +289,16 @@ def block_size_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
             text += (f"; the paper's curve rises from {lo['loss']:.3f} (S={lo['S']:g}) to "
                      f"{hi['loss']:.3f} (S={hi['S']:g})")
         text += ".\n\n"
-    base = runs.loc[runs["variant"] == "baseline", "final_val_loss"]
+    base = runs[runs["variant"] == "baseline"]
     if len(base):
         below = []
         for S, g in attn.groupby("S"):
-            d, h = welch_interval(g["final_val_loss"], base)
-            below.append((S, _verdict(d - h, d + h)))
+            c = compare(g["final_val_loss"], base["final_val_loss"], _seeds(g), _seeds(base))
+            below.append((S, _verdict(c.lo, c.hi)))
         n_ok = sum(v == "agrees" for _, v in below)
         n_bad = sum(v == "does not agree" for _, v in below)
         verdict = "agrees" if n_ok == len(below) else "does not agree" if n_bad else "inconclusive"
         claims.append(Claim("Every block size beats the baseline", f"{n_ok} of {len(below)} "
-                            "block sizes below the baseline at 95%", verdict))
+                            "block sizes below the baseline at 95% (paired over seeds where they "
+                            "pair)", verdict))
     return Section(title, text, claims, files)

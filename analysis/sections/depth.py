@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from .. import ablation as abl
-from ..significance import t_interval, t_p, welch_interval, welch_p
+from ..significance import compare, log_t_interval, t_interval, t_p, welch_interval, welch_p
 from .. import figures
 from .section import Claim, Section, _f, _img, _md, _verdict, _write
 
@@ -153,7 +153,7 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
     baseline's at the same positions is the null). Variants are compared on these per-run numbers
     with a Welch interval, so seeds give the verdict its uncertainty."""
     title = "Training dynamics (paper Fig. 5)"
-    profiles, rows, per_run, drops = {}, [], {}, {}
+    profiles, rows, per_run, per_run_seeds, drops = {}, [], {}, {}, {}
     S_of = _block_sizes(runs)
     block_S = {int(x) for x in S_of[runs.loc[runs["variant"] == "block", "run_id"]] if np.isfinite(x)}
     null_S = block_S.pop() if len(block_S) == 1 else np.nan  # the baseline at Block's positions
@@ -165,9 +165,12 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
         if all(p is None for p in o + gr):
             continue
         profiles[v] = {"output_rms": _mean_profile(o), "grad_norm": _mean_profile(gr)}
+        seeds = g["seed"].to_numpy(float) if "seed" in g else np.full(len(g), np.nan)
         growth = np.array([p[-1] / p[0] for p in o if p is not None and len(p)])
         spread = np.array([p.max() / p.min() for p in gr if p is not None and len(p)])
         per_run[v] = (growth, spread)
+        per_run_seeds[v] = (np.array([s for p, s in zip(o, seeds) if p is not None and len(p)]),
+                            np.array([s for p, s in zip(gr, seeds) if p is not None and len(p)]))
         # The state entering each block (artifact only): the residual stream for the baseline,
         # the depth read for AttnRes variants; the output RMS above is what the blocks write.
         hidden = [np.asarray(instrumentation.get(r, {}).get("hidden_rms_block") or [], float)
@@ -208,8 +211,9 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
     text += ("\nrms_growth: output RMS of the last block over the first (RMS of what the block's "
              "sublayers write, f_l(h_l)); grad_max_over_min: "
              "spread of per-block gradient norms (1 = uniform). Means over the runs of each "
-             "variant at their latest instrumentation step; the verdicts compare variants with a "
-             "95% Welch interval over runs.")
+             "variant at their latest instrumentation step. Both are ratios, so the verdicts "
+             "compare them on the log scale: geometric means, and the ratio of a variant's to the "
+             "baseline's with a 95% interval from same-seed pairs (Welch where seeds do not pair).")
     if "hidden_growth" in t:
         text += (" hidden_growth: RMS of the state entering the last block over that entering the "
                  "first (the embedding): the residual stream for the baseline, whose growth is "
@@ -236,23 +240,30 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
                      "block sum acts on what a block reads. Shown, not judged.")
     text += "\n\n"
     claims = []
+    # Growth and max/min are ratios: their scatter is multiplicative, so they are tested on the
+    # log scale (a geometric mean and ratios of them), where a linear interval could cross 0.
     if "baseline" in per_run:  # the paper's premise, tested on its own: growth above 1
-        m, h, n = t_interval(per_run["baseline"][0])
+        gm, lo, hi, p = log_t_interval(per_run["baseline"][0])
         claims.append(Claim("Output magnitude grows with depth for the baseline (PreNorm dilution)",
-                            f"growth {_f(m, 3)} ± {_f(h, 3)} over {n} runs (1 = no growth)",
-                            _verdict(m - 1 - h, m - 1 + h, better_is_negative=False),
-                            t_p(per_run["baseline"][0], 1.0)))
+                            f"growth {_f(gm, 3)} [{_f(lo, 3)}, {_f(hi, 3)}] (geometric mean, "
+                            f"{len(per_run['baseline'][0])} runs; 1 = no growth)",
+                            _verdict(np.log(lo), np.log(hi), better_is_negative=False)
+                            if np.isfinite(lo) else "inconclusive", p))
     for v in ("block", "full"):
         if {"baseline", v} <= set(per_run):
             for i, (what, stat) in enumerate((
                     (f"Output magnitude grows less with depth with {v} than with the baseline",
                      "growth"),
                     (f"Gradient norms are more uniform across blocks with {v}", "max/min"))):
-                d, h = welch_interval(per_run[v][i], per_run["baseline"][i])
-                b, a = per_run["baseline"][i].mean(), per_run[v][i].mean()
-                claims.append(Claim(what, f"{stat} {b:.3g} (baseline) vs {a:.3g}; "
-                                    f"Δ = {_f(d, 3)} ± {_f(h, 3)}", _verdict(d - h, d + h),
-                                    welch_p(per_run[v][i], per_run["baseline"][i])))
+                c = compare(per_run[v][i], per_run["baseline"][i], per_run_seeds[v][i],
+                            per_run_seeds["baseline"][i], log=True)
+                r, rlo, rhi = c.ratio
+                b = np.exp(np.mean(np.log(per_run["baseline"][i])))
+                a = np.exp(np.mean(np.log(per_run[v][i])))
+                design = f"paired over {c.n} seeds" if c.design == "paired" else "Welch"
+                claims.append(Claim(what, f"{stat} {b:.3g} (baseline) vs {a:.3g} (geometric "
+                                    f"means); ratio {r:.3g} [{rlo:.3g}, {rhi:.3g}], log scale, "
+                                    f"{design}", _verdict(c.lo, c.hi), c.p))
     claims.append(_reset_claim(runs, S_of, drops))
     return Section(title, text + _img(files, out, "Fig. 5"), claims, files)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 
 from .. import ablation as abl
-from ..significance import t_interval, welch_interval, welch_p
+from ..significance import compare, t_interval
 from .. import figures
 from .section import Claim, Section, _f, _img, _verdict, _write
 
@@ -18,13 +18,34 @@ def _hops(runs: pd.DataFrame) -> list[tuple[int, str]]:
 
 
 CHANCE = 0.1  # the answer is one of ten digits
+# Held-out prompts per hop count of a run: data.val_examples over the hop counts, 800 / 4 on the
+# default probe; a snapshot column probe_examples_per_hop overrides it.
+EXAMPLES_PER_HOP = 200
+
+
+def wilson(acc, n_per_run: int, level: float = 0.95) -> tuple[float, float, float]:
+    """(pooled accuracy, Wilson interval low, high) over runs' accuracies on n_per_run prompts
+    each: the correct answers summed into one binomial count (statsmodels). It measures how well
+    the prompts pin the accuracy down, not the seed-to-seed spread (the t interval beside it)."""
+    from statsmodels.stats.proportion import proportion_confint
+
+    a = np.asarray(acc, float)
+    a = a[np.isfinite(a)]
+    if not len(a):
+        return np.nan, np.nan, np.nan
+    if ((a < 0) | (a > 1)).any():  # not an accuracy: no binomial count behind it
+        return float(a.mean()), np.nan, np.nan
+    count, nobs = int(round(float((a * n_per_run).sum()))), n_per_run * len(a)
+    lo, hi = proportion_confint(count, nobs, alpha=1 - level, method="wilson")
+    return count / nobs, float(lo), float(hi)
 
 
 def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
     """Accuracy per hop count on the synthetic multi-hop probe (sweep `multihop`): the paper's
     downstream claim that AttnRes helps multi-step reasoning most, in miniature. Per run the
     summary is the mean accuracy over hop counts and the accuracy at the deepest hop; variants are
-    compared with the baseline by a Welch interval over seeds."""
+    compared with the baseline over seeds, paired where seeds pair the runs (Welch otherwise);
+    per hop, Wilson intervals of the accuracy pooled over runs."""
     title = "Multi-hop probe (the paper's multi-step reasoning claim)"
     hops = _hops(runs) if len(runs) else []
     if not hops:
@@ -33,6 +54,9 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
                                                  "no runs", "not tested")])
     cols = [c for _, c in hops]
     runs = runs.assign(probe_mean=runs[cols].mean(axis=1), probe_deepest=runs[cols[-1]])
+    per_hop = (int(runs["probe_examples_per_hop"].dropna().iloc[0])
+               if "probe_examples_per_hop" in runs and runs["probe_examples_per_hop"].notna().any()
+               else EXAMPLES_PER_HOP)
     rows = []
     for v in abl._order(set(runs["variant"])):
         g = runs[runs["variant"] == v]
@@ -41,6 +65,8 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
             m, h, _ = t_interval(g[c])
             row[f"hop {k}"], row[f"hop {k} ±"] = m, h
         row["mean"], row["mean ±"], _ = t_interval(g["probe_mean"])
+        for k, c in hops:
+            _, row[f"hop {k} wilson_lo"], row[f"hop {k} wilson_hi"] = wilson(g[c], per_hop)
         rows.append(row)
     table = pd.DataFrame(rows)
     files = _write(table, out, "multihop_probe")
@@ -51,6 +77,20 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
                              zip(table[f"hop {k}"], table[f"hop {k} ±"])]
     shown["mean"] = [f"{_f(m, 3)} ± {_f(h, 3)}" for m, h in zip(table["mean"], table["mean ±"])]
     text = abl.to_markdown(shown)
+    wil = table[["variant"]].copy()
+    for k, _ in hops:
+        wil[f"hop {k}"] = [f"[{_f(lo, 3)}, {_f(hi, 3)}]" for lo, hi in
+                           zip(table[f"hop {k} wilson_lo"], table[f"hop {k} wilson_hi"])]
+    text += ("\nPer hop, pooled over each variant's runs (" f"{per_hop} held-out prompts per hop "
+             "count and run), 95% Wilson intervals of the accuracy:\n\n" + abl.to_markdown(wil))
+    t1 = table.set_index("variant")
+    k1 = hops[0][0]
+    if "baseline" in t1.index:
+        lo = t1.loc["baseline", f"hop {k1} wilson_lo"]
+        text += (f"\nThe baseline at {k1} hop: Wilson interval [{_f(lo, 3)}, "
+                 f"{_f(t1.loc['baseline', f'hop {k1} wilson_hi'], 3)}], "
+                 + ("above chance (0.1): the probe was learned at one hop.\n" if lo > CHANCE else
+                    "not above chance (0.1).\n"))
     text += ("\nAccuracy: exact greedy answer on held-out chains, mean ± 95% t-interval over seeds, "
              f"{len(hops)} hop counts (chance ≈ {CHANCE:g}: one of ten digits; a model that copies "
              "any digit of the prompt, following no chain, scores above it, about 0.23 on the "
@@ -71,7 +111,9 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
             continue
         for stat, what in (("probe_mean", "mean over hop counts"),
                            ("probe_deepest", f"at {hops[-1][0]} hops")):
-            d, h = welch_interval(g[stat], base[stat])
+            c = compare(g[stat], base[stat], g["seed"] if "seed" in g else None,
+                        base["seed"] if "seed" in base else None)
+            d, h = c.diff, c.half
             # A probe no model learned even at one hop says nothing about depth: "not tested",
             # not "inconclusive" (which promises that more seeds could settle it).
             claims.append(Claim(f"{v} answers multi-hop chains better than the baseline ({what})",
@@ -79,5 +121,5 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
                                 + ("; every run at chance, the probe was not learned" if at_chance else ""),
                                 "not tested" if at_chance
                                 else _verdict(d - h, d + h, better_is_negative=False),
-                                np.nan if at_chance else welch_p(g[stat], base[stat])))
+                                np.nan if at_chance else c.p))
     return Section(title, text + _img(files, out, "multi-hop probe"), claims, files)

@@ -32,6 +32,7 @@ class DataConfig:
     n_vars: int = 12  # variables (= statements) per example, target chain plus distractor chains
     train_examples: int = 20000  # hop counts drawn uniformly from `hops`
     val_examples: int = 800  # split evenly over `hops`; also the examples MultiHopProbe.accuracy scores
+    queries: int = 0  # extra queries after each example's answer ("?v=d" for other variables): recall practice
     seed: int = 0  # seed of the example generator (not of training)
 
 

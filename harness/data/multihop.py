@@ -28,6 +28,11 @@ Design decisions:
   prompts never trained on.
 - The validation split is the scored set: val_examples split evenly over the hop counts. Its text
   also gives the held-out loss.
+- `queries` > 0 appends that many more queries after the answer, each about another variable
+  (any depth) with its own answer: "…;?d=7?x=3?b=7". One answer in 4·n_vars + 5 tokens gives
+  the lookup almost no gradient beside the unpredictable statements; extra answers multiply it
+  at the same length for every example. They sit after the scored query, so the prompts accuracy()
+  feeds are the prefix the model trained on, and the scored answer is still the first one.
 - accuracy() feeds "\\n" + prompt (an example start as the model saw it during training, where
   examples follow one another) and decodes the answer greedily; an answer counts only if every
   answer token is the argmax.
@@ -54,10 +59,11 @@ class Example:
     prompt: str  # statements and the query, up to and including "?x="
     answer: str  # the digit
     k: int  # hops
+    extra: str = ""  # further queries with their answers, "?y=3?z=7" (MultiHopProbe queries)
 
     @property
     def text(self) -> str:
-        return self.prompt + self.answer + SEPARATOR
+        return self.prompt + self.answer + self.extra + SEPARATOR
 
 
 def resolve(prompt: str) -> tuple[str, int]:
@@ -82,8 +88,13 @@ class MultiHopProbe:
         train_examples: int = 20000,
         val_examples: int = 800,
         seed: int = 0,
+        queries: int = 0,
     ):
         self.hops = tuple(int(k) for k in hops)
+        self.queries = int(queries)
+        if not 0 <= self.queries < int(n_vars):
+            raise DataError(f"data.queries={self.queries}: must be between 0 and data.n_vars - 1 "
+                            f"({int(n_vars) - 1}), one query per other variable at most")
         self.n_vars, self.seed = int(n_vars), int(seed)
         self.train_examples, self.val_examples = int(train_examples), int(val_examples)
         if not self.hops or min(self.hops) < 1:
@@ -103,12 +114,14 @@ class MultiHopProbe:
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> "MultiHopProbe":
-        return cls(cfg.hops, cfg.n_vars, cfg.train_examples, cfg.val_examples, cfg.seed)
+        return cls(cfg.hops, cfg.n_vars, cfg.train_examples, cfg.val_examples, cfg.seed,
+                   cfg.queries)
 
     @property
     def example_len(self) -> int:
-        """Tokens per example: n_vars statements "x=y;", the query "?x=", the digit, the newline."""
-        return 4 * self.n_vars + 3 + 1 + 1
+        """Tokens per example: n_vars statements "x=y;", the query "?x=", the digit, `queries`
+        more "?y=d", the newline."""
+        return 4 * self.n_vars + 3 + 1 + 4 * self.queries + 1
 
     # --- generation ----------------------------------------------------------------------------
     def _rng(self, split: str, k: int) -> random.Random:
@@ -127,7 +140,16 @@ class MultiHopProbe:
             statements.append(f"{links[0]}={rng.choice(others)}")
             statements += [f"{links[i]}={links[i - 1]}" for i in range(1, length)]
         rng.shuffle(statements)
-        return Example("".join(s + ";" for s in statements) + f"?{chain[-1]}=", answer, k)
+        prompt = "".join(s + ";" for s in statements) + f"?{chain[-1]}="
+        extra = ""
+        if self.queries:
+            env = dict(s.split("=", 1) for s in statements)
+            for var in rng.sample([v for v in names if v != chain[-1]], self.queries):
+                value = var
+                while value in env:  # follow the chain to its digit
+                    value = env[value]
+                extra += f"?{var}={value}"
+        return Example(prompt, answer, k, extra)
 
     def val_set(self) -> dict[int, list[Example]]:
         """The held-out examples by hop count (val_examples // len(hops) each)."""
@@ -176,6 +198,7 @@ class MultiHopProbe:
             "train_tokens": train.numel(), "val_tokens": val.numel(), "sha256": digest.hexdigest(),
             "tokenizer": "bytes", "hops": list(self.hops), "n_vars": self.n_vars,
             "train_examples": self.train_examples, "val_examples": self.val_examples, "seed": self.seed,
+            **({"queries": self.queries} if self.queries else {}),
         }
 
     # --- scoring -------------------------------------------------------------------------------
