@@ -78,10 +78,10 @@ def test_model_bench_sets_triton_knobs_and_records_them(tmp_path, monkeypatch, c
     out = tmp_path / "mb.json"
     info = model_bench.main(["--variants", "block", "--layers", "2", "--batch", "2", "--seq-len", "16", "--rounds", "2",
                              "--warmup", "1", "--threads", "1", "--no-memory", "--triton", "READER_GROUP=2",
-                             "--triton", "BWD_DQ_SECOND_PASS=true", "--triton", "BWD_WARPS=none", "--json", str(out)])
-    want = {"READER_GROUP": 2, "BWD_DQ_SECOND_PASS": True, "BWD_WARPS": None}
+                             "--triton", "BWD_DQ_SECOND_PASS=true", "--triton", "PREFETCH=false", "--json", str(out)])
+    want = {"READER_GROUP": 2, "BWD_DQ_SECOND_PASS": True, "PREFETCH": False}
     assert info["triton_knobs"] == json.loads(out.read_text())["triton_knobs"] == want
-    assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS, tk.BWD_WARPS) == (2, True, None)
+    assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS, tk.PREFETCH) == (2, True, False)
     capsys.readouterr()
     for bad in ("READER_GROUPS=2", "READER_GROUP=two"):
         with pytest.raises(SystemExit) as stop:
@@ -133,8 +133,8 @@ def test_tile_sweep_names_a_bad_configuration_before_it_looks_for_a_gpu():
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tile_sweep.py"), "--config", bad],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and f"--config {bad.split(',')[-1]!r}: allowed: NAME=VALUE" in r.stderr, r.stderr
-    assert tile_sweep.parse_triton_knobs(["PREFETCH=true", "BWD_PROGRAMS_PER_SM=8"], None) == {
-        "PREFETCH": True, "BWD_PROGRAMS_PER_SM": 8}
+    assert tile_sweep.parse_triton_knobs(["PREFETCH=true", "READER_GROUP=8"], None) == {
+        "PREFETCH": True, "READER_GROUP": 8}
 
 
 def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_path, monkeypatch, capsys):
@@ -154,22 +154,20 @@ def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_pat
     monkeypatch.setattr(tile_sweep, "machine", lambda: {})
     monkeypatch.setattr(tile_sweep, "bench", lambda *a: [seen.append({k: getattr(tk, k) for k in tk.KNOBS}) or 1.0])
     monkeypatch.setattr(tile_sweep, "profiled", lambda *a, **k: dict(
-        wall_ms=1.0, busy_ms=1.0, read_fwd_ms=float(tk.FWD_TILE_ELEMS), read_bwd_ms=1.0, top=[]))
+        wall_ms=1.0, busy_ms=1.0, read_fwd_ms=float(tk.READER_GROUP or 0), read_bwd_ms=1.0, top=[]))
     default = {k: getattr(tk, k) for k in tk.KNOBS}
-    info = tile_sweep.main(["--reader-groups", f"{default['READER_GROUP']},1",
-                            "--fwd", f"{default['FWD_TILE_ELEMS']},8192", "--bwd", "", "--bwd-warps", "",
-                            "--bwd-programs", "", "--json", str(tmp_path / "a.json")])
+    info = tile_sweep.main(["--reader-groups", f"{default['READER_GROUP']},1,3", "--json", str(tmp_path / "a.json")])
     assert [r["moved"] for r in info["rows"]] == [{}, {"PAIRED_SUMS": not default["PAIRED_SUMS"]},
                                                   {"FOLD_RMS_GRAD": not default["FOLD_RMS_GRAD"]},
                                                   {"PREFETCH": not default["PREFETCH"]},
                                                   {"BWD_DQ_SECOND_PASS": not default["BWD_DQ_SECOND_PASS"]},
-                                                  {"READER_GROUP": 1}, {"FWD_TILE_ELEMS": 8192}]
-    assert [r["read_fwd_ms"]["fused per read"] for r in info["rows"]][-1] == 8192.0  # timed under its knobs
-    assert seen[-1] == {**default, "FWD_TILE_ELEMS": 8192} and {k: getattr(tk, k) for k in tk.KNOBS} == default
-    info = tile_sweep.main(["--triton", "BWD_PROGRAMS_PER_SM=8", "--config", "PREFETCH=false,READER_GROUP=none",
+                                                  {"READER_GROUP": 1}, {"READER_GROUP": 3}]
+    assert [r["read_fwd_ms"]["fused per read"] for r in info["rows"]][-1] == 3.0  # timed under its knobs
+    assert seen[-1] == {**default, "READER_GROUP": 3} and {k: getattr(tk, k) for k in tk.KNOBS} == default
+    info = tile_sweep.main(["--triton", "PAIRED_SUMS=true", "--config", "PREFETCH=false,READER_GROUP=none",
                             "--json", str(tmp_path / "b.json")])
     assert [r["moved"] for r in info["rows"]] == [{}, {"PREFETCH": False, "READER_GROUP": None}]
-    assert all(r["knobs"]["BWD_PROGRAMS_PER_SM"] == 8 for r in info["rows"])
+    assert all(r["knobs"]["PAIRED_SUMS"] is True for r in info["rows"])
     assert json.loads((tmp_path / "b.json").read_text())["rows"] == info["rows"]
     assert "READER_GROUP=None, PREFETCH=False" in capsys.readouterr().out
 
@@ -325,30 +323,30 @@ def test_model_bench_profile_names_each_variants_costliest_operators(tmp_path, c
 @pytest.mark.slow  # compiles a dozen Triton kernels to cubins (about 20 s)
 def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_path):
     """kernel_resources.py compiles, for sm_90a and without a GPU, every Triton kernel one block
-    step launches and reads registers and occupancy from the cubins; --triton BWD_WARPS=16 reaches the
-    backward alone; --triton READER_GROUP=1 makes every read launch one reader, the backward's
+    step launches and reads registers and occupancy from the cubins, every autotuning candidate (4 and
+    8 warps, tiles within the budget); --triton READER_GROUP=1 makes every read launch one reader, the backward's
     later launches accumulating; --triton BWD_DQ_SECOND_PASS=false (the default's opposite) reaches the backward. In a child process: it replaces Triton's active driver for good."""
     import subprocess
 
     pytest.importorskip("triton")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
             "print(json.dumps([kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2']), "
-            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_WARPS=16']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'READER_GROUP=1']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_DQ_SECOND_PASS=false'])]))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # two-phase: its phase-one reads launch 2 and 3 readers (S = 2 and the output read)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "ATTNRES_SCHEDULE": "two_phase"}
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], capture_output=True, text=True,
                        env=env, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    default, sixteen, single, second = json.loads(r.stdout.strip().splitlines()[-1])
+    default, single, second = json.loads(r.stdout.strip().splitlines()[-1])
     names = {row["kernel"] for row in default}
-    assert {"_read_fwd_kernel", "_read_bwd_kernel", "_inv_rms_fwd_kernel", "_inv_rms_bwd_kernel"} <= names, names
+    assert {"_read_fwd_kernel", "_read_bwd_kernel", "_inv_rms_fwd_kernel"} <= names, names
     for row in default:
         assert 0 < row["registers"] <= 255 and 0 < row["occupancy"] <= 1 and row["programs_per_sm"] >= 1, row
-    assert all(row["warps"] == 16 for row in sixteen if row["kernel"] == "_read_bwd_kernel")
-    assert all(row["warps"] < 16 for row in default if row["kernel"] == "_read_bwd_kernel")
-    assert ([row["warps"] for row in sixteen if row["kernel"] == "_read_fwd_kernel"]
-            == [row["warps"] for row in default if row["kernel"] == "_read_fwd_kernel"])
+    for kernel, most in (("_read_fwd_kernel", 8192), ("_read_bwd_kernel", 4096)):
+        rows = [row for row in default if row["kernel"] == kernel]
+        assert {row["warps"] for row in rows} == {4, 8}, rows
+        assert all(row["spec"]["R_PAD"] * row["spec"]["BLOCK_T"] * row["spec"]["W_PAD"] <= most for row in rows), rows
     reads = lambda rows: [row for row in rows if row["kernel"].startswith("_read_")]  # noqa: E731
     assert {row["spec"]["R"] for row in reads(default)} == {1, 2, 3} and {row["spec"]["R"] for row in reads(single)} == {1}
     assert any(row["spec"].get("ACCUMULATE") for row in single) and not any(row["spec"].get("ACCUMULATE") for row in default)
@@ -374,5 +372,5 @@ def test_host_time_times_both_schedules_with_launches_that_run_nothing(tmp_path)
     result = json.loads(r.stdout.strip().splitlines()[-1])
     times, names = result["ms"], result["kernels"]
     assert set(times) == {"two_phase", "per_read"} and all(ms > 0 for ms in times.values()), times
-    assert names == ["_inv_rms_bwd_kernel", "_inv_rms_fwd_kernel", "_read_bwd_kernel", "_read_fwd_kernel"], names
+    assert names == ["_inv_rms_fwd_kernel", "_read_bwd_kernel", "_read_fwd_kernel"], names
     assert "two_phase: host" in r.stdout and "per_read : host" in r.stdout
