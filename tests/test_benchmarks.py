@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import decode_bench  # noqa: E402
 import model_bench  # noqa: E402
 import op_bench  # noqa: E402
 
@@ -119,7 +120,68 @@ def test_run_gpu_without_a_gpu_says_so_in_one_line(tmp_path):
                        timeout=120)
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     assert r.stderr.startswith("run_gpu.sh: no CUDA device") and r.stderr.count("\n") == 1, r.stderr
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_gpu_refuses_an_unknown_argument_in_one_line(tmp_path):
+    import subprocess
+
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--dryrun"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "--dry-run" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # every stage at a tiny size, the device check under Triton's interpreter (minutes)
+def test_run_gpu_dry_run_runs_every_stage_and_prints_every_bar(tmp_path):
+    """run_gpu.sh --dry-run: the whole script on CPU at a tiny size. Every stage exits 0, the
+    output folder holds gpu.txt, gpu_check.rc and the three benchmarks' JSON (at most the eight
+    files a lent machine returns), and the bars are printed, one line each: the device check met
+    (the smoke checks pass), fla-core not measured (no fla-core on CPU), every other bar with a figure."""
+    import subprocess
+
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--dry-run"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(out), "PYTHON": sys.executable}, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["decode_bench.json", "gpu.txt", "gpu_check.rc", "model_bench.json",
+                                                     "op_bench.json"]
+    for stage in ("gpu_check", "op_bench", "model_bench", "decode_bench"):
+        assert f"== {stage}: exit 0" in r.stdout, r.stdout[-3000:]
+    bars = [line for line in r.stdout.splitlines() if line.startswith("BAR ")]
+    assert len(bars) == 6, bars
+    assert bars[0].startswith("BAR device check: met") and "fla-core not measured" in bars[1]
+    assert all("×" in line and "not measured" not in line for line in bars[2:]), bars
+    assert (out / "gpu.txt").read_text().count("BAR ") == 6
+
+
+def test_bars_read_each_benchmark_and_say_where_a_figure_is_missing(tmp_path, capsys):
+    """bars.py's verdicts from hand-made outputs: a figure at or under its bar is met, above it
+    not, a stage that wrote nothing is not measured; fla-core's time decides the op-level bar."""
+    import bars
+
+    machine = dict(cpu="cpu", cpu_count=1, torch="t", python="p", gpu="NVIDIA H200")
+    (tmp_path / "gpu_check.rc").write_text("0\n")
+    (tmp_path / "op_bench.json").write_text(json.dumps(dict(
+        machine=machine, sublayers=32, block_size=4, tokens=16384, d=2048, dtype="bfloat16",
+        rows=[dict(impl="fused per read", ms=29.0), dict(impl="fused two-phase", ms=35.0),
+              dict(impl="fla fused_attnres", ms=29.9)])))
+    rows = [dict(variant="baseline", ratio=1.0, ratio_q1=1.0, ratio_q3=1.0, step_ms=100.0, peak_mib=1000.0),
+            dict(variant="block", ratio=1.04, ratio_q1=1.03, ratio_q3=1.05, step_ms=104.0, peak_mib=1150.0,
+                 memory_ratio=1.15),
+            dict(variant="full", ratio=1.2, ratio_q1=1.1, ratio_q3=1.3, step_ms=120.0)]
+    (tmp_path / "model_bench.json").write_text(json.dumps(dict(machine=machine, preset="194m", compile=True, rounds=6,
+                                                               block_size=3, rows=rows)))
+    got = dict(bars.main([str(tmp_path)]))
+    assert "NVIDIA H200" in capsys.readouterr().out
+    assert got["device check"].startswith("met")
+    assert got["op level: Block read fwd+bwd ≤ fla-core fused_attnres"].split(" [")[0].endswith(": met")
+    assert got["model level: block step ≤ 1.05× baseline"].split(" [")[0].endswith(": met")
+    assert got["model level: full step ≤ 1.1× baseline"].split(" [")[0].endswith(": NOT met")
+    assert got["model level: block peak memory ≤ 1.1× baseline"].split(" [")[0].endswith(": NOT met")
+    assert got["inference: block decode latency per token ≤ 1.02× baseline"].startswith("not measured")
+    (tmp_path / "gpu_check.rc").write_text("1\n")
+    assert dict(bars.bars(tmp_path))["device check"].startswith("NOT met")
 
 
 def test_tile_sweep_names_a_bad_configuration_before_it_looks_for_a_gpu():
@@ -200,6 +262,9 @@ def test_op_bench_implementations_agree(tmp_path):
     (model_bench.main, ["--variants", "block", "--layers", "1"], "--variants block: residual.block_size=4 must be"),
     (model_bench.main, ["--variants", "block", "--blocks", "0"], "--blocks 0: the number of blocks must be at least 1"),
     (op_bench.main, ["--only", "nope", "--tokens", "8", "--d", "8"], "--only: no implementation 'nope' here; allowed:"),
+    (decode_bench.main, ["--new", "0"], "--new 0: allowed: a whole number from 1"),
+    (decode_bench.main, ["--variants", "nope"], "--variants: unknown nope; allowed: baseline,"),
+    (decode_bench.main, ["--layers", "1"], "residual.block_size=4 must be"),
 ])
 def test_bad_arguments_exit_2_with_one_error_line(main, argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
