@@ -361,7 +361,8 @@ def test_the_gpu_benchmarks_run_without_the_harness_config_stack(tmp_path):
                   "--batch", "1", "--seq-len", "8", "--rounds", "1", "--warmup", "1", "--json",
                   str(tmp_path / "m.json")],
                  [str(bench / "op_bench.py"), "--help"], [str(bench / "gpu_check.py"), "--help"],
-                 [str(bench / "tile_sweep.py"), "--help"]):
+                 [str(bench / "tile_sweep.py"), "--help"], [str(bench / "decode_bench.py"), "--help"],
+                 [str(bench / "bars.py"), "--help"]):
         r = subprocess.run([sys.executable, "-c", run, *argv], capture_output=True, text=True, timeout=300,
                            cwd=tmp_path)
         assert r.returncode == 0, f"{argv[0]}: {r.stderr[-2000:]}"
