@@ -135,7 +135,11 @@ class KVCache:
     def update(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H_kv, T, head_dim) at the next T positions of layer `slot`; return the
         layer's keys and values over every position so far."""
-        if self.keys[slot] is None or self.keys[slot].dtype != k.dtype or self.keys[slot].device != k.device:
+        held = self.keys[slot]
+        if held is not None and (held.dtype, held.device) != (k.dtype, k.device) and self.length:
+            raise ValueError(f"the KV cache holds {self.length} positions as {held.dtype} on {held.device}; this forward "
+                             f"makes {k.dtype} on {k.device}: decode in one dtype and device, or reset() the cache")
+        if held is None or (held.dtype, held.device) != (k.dtype, k.device):
             self.keys[slot] = k.new_zeros(self.shape)
             self.values[slot] = v.new_zeros(self.shape)
         end = self.length + k.shape[2]

@@ -96,3 +96,19 @@ def test_generate_refuses_bad_arguments(kwargs):
 def test_kv_cache_refuses_bad_sizes(bad):
     with pytest.raises(ValueError):
         tiny("baseline").kv_cache(**bad)
+
+
+def test_a_cache_filled_in_one_dtype_refuses_another_until_reset():
+    """Keys cached in fp32 and a step in fp64 (as autocast switched on or off mid-sequence would
+    make): one ValueError, the cache unchanged; after reset() the new dtype fills it."""
+    m, idx = tiny("block"), tokens(B=1, T=4)
+    cache = m.kv_cache(1)
+    with torch.no_grad():
+        m(idx[:, :3], cache=cache)
+        m.double()
+        with pytest.raises(ValueError, match="float32"):
+            m(idx[:, 3:], cache=cache)
+        assert cache.length == 3
+        cache.reset()
+        m(idx, cache=cache)
+    assert cache.length == 4 and cache.keys[0].dtype == torch.float64
