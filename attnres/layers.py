@@ -5,6 +5,8 @@ This is what lets one model carry every residual variant of the paper.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,22 +74,82 @@ class CausalSelfAttention(nn.Module):
         self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * self.head_dim, bias=False)
         self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional["KVCache"] = None, slot: int = 0) -> torch.Tensor:
+        """Causal attention over x (B, T, d); with a cache, x holds the T tokens that follow the
+        cache's `length` cached positions: their keys and values go into `slot` of the cache and
+        the queries attend over everything cached so far."""
         B, T, _ = x.shape
+        start = 0 if cache is None else cache.length
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k, v = self.kv_proj(x).view(B, T, 2, self.n_kv_heads, self.head_dim).unbind(2)
         # One table of max_seq_len rows, sliced (row t does not depend on the table's length): a
         # table per length made torch.compile specialise on T and recompile for every new length.
-        rows = self.max_seq_len if T <= self.max_seq_len else T
+        rows = self.max_seq_len if start + T <= self.max_seq_len else start + T
         cos, sin = rope_tables(rows, self.head_dim, self.rope_theta, x.device, x.dtype)
         # narrow, not [:T]: compiled, the tables are graph constants, and [:T] of one specialised on T.
-        cos, sin = cos.narrow(0, 0, T), sin.narrow(0, 0, T)
+        cos, sin = cos.narrow(0, start, T), sin.narrow(0, start, T)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.update(slot, k, v)
+            # query i sits at position start + i and sees keys 0..start + i; one query sees them all
+            causal = start == 0
+            if not causal and T > 1:
+                mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            q, k, v, attn_mask=mask, is_causal=causal,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
         return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class KVCache:
+    """Keys and values of every attention layer for `batch` sequences of up to `max_len` positions,
+    for token-by-token decoding (`DecoderLM.kv_cache`, `DecoderLM.forward(idx, cache=...)`).
+
+    `length` positions are cached; a forward with a cache writes its T tokens' keys and values at
+    positions length..length+T−1 of each layer and the model then advances `length` by T, so a
+    forward that fails leaves `length` as it was. The buffers are made on first write, in the
+    keys' type and device (under autocast, the half type the attention computes in).
+    The residual stream needs no cache: every depth read mixes one position's own sources.
+    """
+
+    def __init__(self, layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int):
+        for name, value in (("batch", batch), ("max_len", max_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_cache {name}={value!r} must be a positive integer")
+        self.batch, self.max_len, self.length = batch, max_len, 0
+        self.shape = (batch, n_kv_heads, max_len, head_dim)
+        self.keys: list[Optional[torch.Tensor]] = [None] * layers
+        self.values: list[Optional[torch.Tensor]] = [None] * layers
+
+    def check(self, batch: int, new: int) -> None:
+        """One ValueError when `new` more tokens of `batch` sequences do not fit."""
+        if batch != self.batch:
+            raise ValueError(f"the KV cache holds batch={self.batch} sequences, the input has {batch}")
+        if self.length + new > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length} cached + {new} new positions > max_len={self.max_len}; "
+                             "make the cache with a larger max_len (DecoderLM.kv_cache(batch, max_len))")
+
+    def update(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, H_kv, T, head_dim) at the next T positions of layer `slot`; return the
+        layer's keys and values over every position so far."""
+        held = self.keys[slot]
+        if held is not None and (held.dtype, held.device) != (k.dtype, k.device) and self.length:
+            raise ValueError(f"the KV cache holds {self.length} positions as {held.dtype} on {held.device}; this forward "
+                             f"makes {k.dtype} on {k.device}: decode in one dtype and device, or reset() the cache")
+        if held is None or (held.dtype, held.device) != (k.dtype, k.device):
+            self.keys[slot] = k.new_zeros(self.shape)
+            self.values[slot] = v.new_zeros(self.shape)
+        end = self.length + k.shape[2]
+        self.keys[slot][:, :, self.length : end] = k
+        self.values[slot][:, :, self.length : end] = v
+        return self.keys[slot][:, :, :end], self.values[slot][:, :, :end]
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers stay, to be overwritten)."""
+        self.length = 0
 
 
 class SwiGLU(nn.Module):
@@ -112,5 +174,6 @@ class Sublayer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.op = CausalSelfAttention(cfg) if kind == "attn" else SwiGLU(cfg)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.op(self.norm(h))
+    def forward(self, h: torch.Tensor, cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:
+        x = self.norm(h)
+        return self.op(x) if cache is None else self.op(x, cache, slot)

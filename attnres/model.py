@@ -7,6 +7,7 @@ the analysis never re-derive them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from .config import ModelConfig, ResidualConfig
 from .instrumentation import DepthRecorder
-from .layers import RMSNorm, Sublayer
+from .layers import KVCache, RMSNorm, Sublayer
 from .residuals import build_residual
 
 
@@ -48,13 +49,64 @@ class DecoderLM(nn.Module):
                 scaled = name.endswith(("out_proj.weight", "down.weight"))
                 nn.init.normal_(p, std=std / math.sqrt(self.config.sublayers) if scaled else std)
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None):
+        """Logits (B, T, vocab) for token ids idx (B, T), and the loss when targets are given.
+        With a `cache` (`kv_cache`), idx continues the sequences the cache holds: positions start at
+        its length, the attention reads the cached keys and values, and the cache grows by T."""
         x = self.embed(idx)
-        h = self.residual(x, self.sublayers)  # the residual variant owns the stream
+        if cache is None:
+            h = self.residual(x, self.sublayers)  # the residual variant owns the stream
+        else:
+            cache.check(idx.shape[0], idx.shape[1])
+            # only the attention sublayers see the cache: the residual's depth reads are per position
+            slots = {i: n for n, i in enumerate(i for i, s in enumerate(self.sublayers) if s.kind == "attn")}
+            fns = [functools.partial(s, cache=cache, slot=slots[i]) if i in slots else s for i, s in enumerate(self.sublayers)]
+            h = self.residual(x, fns)
+            cache.length += idx.shape[1]
         logits = self.lm_head(self.norm(h))
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    # --- decoding --------------------------------------------------------------------------------
+    def kv_cache(self, batch: int, max_len: Optional[int] = None) -> KVCache:
+        """An empty cache of every attention layer's keys and values for `batch` sequences of up to
+        `max_len` positions (default: the model's max_seq_len)."""
+        c = self.config
+        return KVCache(c.layers, batch, c.max_seq_len if max_len is None else max_len, c.n_kv_heads, c.d_model // c.n_heads)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """idx (B, T) followed by max_new_tokens sampled tokens, (B, T + max_new_tokens): one
+        prefill of the prompt, then one cached forward per token. temperature 0 is greedy; top_k
+        keeps the k likeliest tokens; `generator` makes the sampling repeatable. Prompt and new
+        tokens together must fit max_seq_len, the positions the model was built for."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
+        if not 0 <= float(temperature) < float("inf"):
+            raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k={top_k!r} must be a positive integer or None")
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"idx must be token ids of shape (batch, T >= 1), got shape {tuple(idx.shape)}")
+        total = idx.shape[1] + max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"a prompt of {idx.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                             f"max_seq_len={self.config.max_seq_len}")
+        cache, out, step = self.kv_cache(idx.shape[0], total), [idx], idx
+        for _ in range(max_new_tokens):
+            logits = self(step, cache=cache)[0][:, -1].float()
+            if temperature == 0:
+                step = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.shape[-1]:
+                    kth = logits.topk(top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                step = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            out.append(step)
+        return torch.cat(out, dim=1)
 
     # --- accounting ------------------------------------------------------------------------------
     def param_counts(self) -> dict[str, int]:

@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py          # needs CUDA and Triton; exits non-zero on a mismatch
     python benchmarks/gpu_check.py --full   # every combination of the read's knobs (4x the kernels)
     python benchmarks/gpu_check.py --smoke  # the same checks, small, on CPU under Triton's interpreter
+    python benchmarks/gpu_check.py --smoke --quick   # one check of each kind (run_gpu.sh --dry-run)
 
 Checks, on CUDA tensors: one read and its gradients against `attnres.depth_read` in fp32 and bf16
 for the read's knobs (key norm, softmax/sigmoid, per-token query, heads, a non-power-of-2 width):
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="small, on CPU under Triton's interpreter (tests the script)")
     ap.add_argument("--full", action="store_true", help="every combination of the read's knobs (32 cases per dtype, not 8)")
+    ap.add_argument("--quick", action="store_true", help="one case of each kind of check (what run_gpu.sh --dry-run runs)")
     args = ap.parse_args(argv)
     # --smoke: the same checks on CPU tensors under TRITON_INTERPRET=1, small (tests the script).
     smoke = args.smoke
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
 
     g = torch.Generator(device="cpu").manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        for (d, heads), key_norm, normaliser, per_token in read_cases(args.full):
+        for (d, heads), key_norm, normaliser, per_token in read_cases(args.full)[: 1 if args.quick else None]:
             shape = (2, T, d)
             srcs = [(torch.randn(*shape, generator=g) * (1 + i)).to(dev, dtype).requires_grad_() for i in range(7)]
             # scores of a few units, as learned queries give (not ±√d, where both fp32
@@ -92,7 +94,8 @@ def main(argv=None) -> int:
             ok &= close(f"read {tag}", got, want, tol)
             ok &= close(f"grads {tag}", torch.cat([a.flatten() for a in gg]), torch.cat([b.flatten() for b in gw]), tol * 5)
     # Schedules on the module, fp32.
-    for variant, S, L in (("block", 4, 10), ("block", 1, 6), ("block_multihead", 3, 8), ("full", 4, 10), ("full_sigmoid", 4, 7)):
+    schedules = (("block", 4, 10), ("block", 1, 6), ("block_multihead", 3, 8), ("full", 4, 10), ("full_sigmoid", 4, 7))
+    for variant, S, L in schedules[: 1 if args.quick else None]:
         res = build_residual(ResidualConfig(name=variant, block_size=S, heads=4), 64, L).to(dev)
         with torch.no_grad():
             for p in res.parameters():
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     # A bf16 autocast training step through the kernels vs the PyTorch path.
     cfg = ModelConfig(d_model=64 if smoke else 256, layers=2 if smoke else 4, n_heads=4, max_seq_len=256)
     idx = torch.randint(0, 256, (2, 9) if smoke else (4, 256), generator=g).to(dev)
-    for variant in ("block", "full"):
+    for variant in ("block",) if args.quick else ("block", "full"):
         losses = {}
         for backend in ("torch", "triton"):
             kernels.set_backend(backend)

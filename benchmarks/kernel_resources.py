@@ -3,7 +3,8 @@ a model launches, compiled for a GPU architecture on a machine without one (defa
 
     python benchmarks/kernel_resources.py                                  # block, the 194m shape
     python benchmarks/kernel_resources.py --variant full --d-model 2048 --heads 16
-    python benchmarks/kernel_resources.py --triton BWD_WARPS=16            # any knob of the kernels
+    python benchmarks/kernel_resources.py --triton PAIRED_SUMS=true        # any knob of the kernels (model_bench's option)
+    python benchmarks/kernel_resources.py --variant full --layers 12 --triton READER_GROUP=4 --triton BWD_DQ_SECOND_PASS=true
 
 How many programs fit on an SM is what a tile or kernel change moves first, and reading it needs no
 GPU: a stand-in for Triton's driver compiles each launch (counts from the cubin) and runs nothing;
@@ -74,6 +75,12 @@ def compile_only(arch: int) -> dict:
         return kernel
 
     jit.JITFunction.run = compile_launch
+    from attnres.kernels import triton_kernels as tk
+
+    # every autotuning candidate is compiled (and reported), none timed: the first is kept
+    tk._bench = lambda kernel_call, quantiles: (kernel_call(), [1.0] * len(quantiles))[1]
+    for kernel in (tk._read_fwd_kernel, tk._read_bwd_kernel):
+        kernel.cache_results = False  # a choice on disk from an earlier run would skip the candidates
     compiled["_tools"] = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     return compiled
 
@@ -138,7 +145,7 @@ def main(argv=None) -> list[dict]:
     tools = compiled.pop("_tools")
     rows = []
     print(f"# {args.variant}, d_model {args.d_model}, {args.heads} heads, S {args.block_size}, {args.dtype}, "
-          f"sm_{args.arch}a; tiles fwd {tk.FWD_TILE_ELEMS} / bwd {tk.BWD_TILE_ELEMS} elements")
+          f"sm_{args.arch}a; every autotuning candidate (tiles fwd {tk.FWD_TILE} / bwd {tk.BWD_TILE} elements)")
     print(f"{'kernel':22s} {'specialisation':44s} {'warps':>5s} {'regs':>5s} {'local B':>7s} {'barriers':>8s} "
           f"{'progs/SM':>8s} {'occupancy':>9s}")
     for (name, constexprs, warps), kernel in sorted(compiled.items(), key=lambda kv: kv[0][0]):

@@ -2,12 +2,13 @@
 work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, forward + backward of every read).
 
     python benchmarks/tile_sweep.py                       # CUDA only
-    python benchmarks/tile_sweep.py --fwd 2048,8192 --bwd 1024,4096 --reps 5
-    python benchmarks/tile_sweep.py --triton BWD_PROGRAMS_PER_SM=8 --config PREFETCH=false
+    python benchmarks/tile_sweep.py --reader-groups 1,2,4 --reps 5
+    python benchmarks/tile_sweep.py --triton PAIRED_SUMS=true --config PREFETCH=false   # knobs moved together
 
 One profiled step per implementation (kernel time against wall time: the gap is host overhead),
-then each knob of attnres.kernels.triton_kernels moved from the defaults alone (--config: several
-together), timing the step and the read kernels, whose time the host's noise leaves alone. Prints
+then each switch and reader group of attnres.kernels.triton_kernels moved from the defaults alone
+(--config: several together), timing the step and the read kernels; tiles, warps and programs per
+SM are the autotuner's, and each row records what it chose. Prints
 a table and writes JSON.
 """
 from __future__ import annotations
@@ -44,12 +45,8 @@ def profiled(fn, inputs, top: int, steps: int = 1) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fwd", default="4096,8192", help="forward tile budgets to try besides the default")
-    ap.add_argument("--bwd", default="1024,4096,8192", help="backward tile budgets to try besides the default")
-    ap.add_argument("--bwd-warps", default="16", help="backward warps to try besides the default (by tile size)")
     ap.add_argument("--reader-groups", default="1,2,none", help="readers per launch to try besides the default "
                     "(none: all of a read's readers in one launch)")
-    ap.add_argument("--bwd-programs", default="8", help="backward programs per SM to try besides the default")
     ap.add_argument("--triton", action="append", default=[], metavar="NAME=VALUE",
                     help="a knob's value for every configuration, the defaults' row included (model_bench's option)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=VALUE,...",
@@ -60,18 +57,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=str(Path(__file__).parent / "out" / "tile_sweep_cuda.json"))
     args = ap.parse_args(argv)
     try:
-        fwd_budgets, bwd_budgets, bwd_warps, programs = ([int(x) for x in a.split(",") if x]
-                                                         for a in (args.fwd, args.bwd, args.bwd_warps, args.bwd_programs))
         groups = [None if x == "none" else int(x) for x in args.reader_groups.split(",") if x]
     except ValueError:
-        ap.error(f"--fwd {args.fwd!r} / --bwd {args.bwd!r} / --bwd-warps {args.bwd_warps!r} / --reader-groups "
-                 f"{args.reader_groups!r} / --bwd-programs {args.bwd_programs!r}: comma-separated whole numbers "
-                 "(--reader-groups also none)")
-    if any(w not in (1, 2, 4, 8, 16, 32) for w in bwd_warps):
-        ap.error(f"--bwd-warps {args.bwd_warps!r}: allowed: powers of two from 1 to 32")
-    if any(g is not None and g < 1 for g in groups) or any(p < 1 for p in programs):
-        ap.error(f"--reader-groups {args.reader_groups!r} / --bwd-programs {args.bwd_programs!r}: allowed: whole "
-                 "numbers from 1")
+        groups = [0]
+    if any(g is not None and g < 1 for g in groups):
+        ap.error(f"--reader-groups {args.reader_groups!r}: allowed: comma-separated whole numbers from 1, or none")
     if not kernels.triton_available():
         ap.error("needs Triton (pip install triton)")
     from attnres.kernels import triton_kernels as tk
@@ -90,8 +80,7 @@ def main(argv=None) -> dict:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     # The switches first (the untimed ones lead): a stage stopped at its time limit has timed them.
-    tried = {**{k: [not default[k]] for k in tk.SWITCHES}, "BWD_PROGRAMS_PER_SM": programs, "READER_GROUP": groups,
-             "BWD_WARPS": bwd_warps, "FWD_TILE_ELEMS": fwd_budgets, "BWD_TILE_ELEMS": bwd_budgets}
+    tried = {**{k: [not default[k]] for k in tk.SWITCHES}, "READER_GROUP": groups}
     configs = [default] + ([{**default, **c} for c in together] if together else
                            [{**default, k: v} for k, values in tried.items() for v in values if v != default[k]])
     sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a time limit stops it as Ctrl-C
@@ -114,6 +103,7 @@ def main(argv=None) -> dict:
                     row["ms"][name] = bench(fn, inputs, args.reps, 2, True)[0]
                     prof = profiled(fn, inputs, 0, steps=3)
                 row["read_fwd_ms"][name], row["read_bwd_ms"][name] = prof["read_fwd_ms"], prof["read_bwd_ms"]
+            row["autotuned"] = tk.chosen()
             info["rows"].append(row)
             label = ", ".join(f"{k}={v}" for k, v in moved.items()) or "defaults"
             print(f"{label:40s} " + " ".join(

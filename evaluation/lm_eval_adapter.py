@@ -22,8 +22,10 @@ Design decisions:
   conditioned on the prefix token (perplexity tasks such as wikitext).
 - generate_until: greedy unless `do_sample` with temperature > 0; stops at any `until` string
   (checked on the decoded text, so a stop string split across tokens is caught), at end of text,
-  or after max_gen_toks; the context keeps its last max_length − max_gen_toks tokens. The model
-  has no KV cache, so each new token reruns the window: fine at the sizes this project trains.
+  or after max_gen_toks; each token conditions on the last max_length tokens of prompt and
+  generated text. The prompt is read once and each new token runs one cached step (the model's
+  KV cache); once the text outgrows the window, every position shifts at each step and the window
+  is recomputed, as the cache cannot reuse keys made at other positions.
 """
 from __future__ import annotations
 
@@ -204,9 +206,15 @@ class AttnResLM(TemplateLM):
         # 256 new tokens and a 128-token model it kept one token of the prompt.
         ids = (self.tok_encode(context) or [self.prefix_token_id])[-self.max_length:]
         new: list[int] = []
+        cache = self.model.kv_cache(1, self.max_length)
         for _ in range(max_new):
-            window = torch.tensor([(ids + new)[-self.max_length:]], dtype=torch.long, device=self.device)
-            logits = self.model(window)[0][0, -1].float()
+            seq = ids + new
+            if len(seq) > self.max_length:
+                # The window slid: every position moved, so its keys are recomputed, not reused.
+                logits = self.model(torch.tensor([seq[-self.max_length:]], device=self.device))[0][0, -1].float()
+            else:  # the prompt at once, then each new token from the cache
+                step = seq[cache.length :]
+                logits = self.model(torch.tensor([step], device=self.device), cache=cache)[0][0, -1].float()
             if sample:
                 nxt = int(torch.multinomial(F.softmax(logits / temperature, dim=-1), 1))
             else:

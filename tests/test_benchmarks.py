@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import decode_bench  # noqa: E402
 import model_bench  # noqa: E402
 import op_bench  # noqa: E402
 
@@ -78,10 +79,10 @@ def test_model_bench_sets_triton_knobs_and_records_them(tmp_path, monkeypatch, c
     out = tmp_path / "mb.json"
     info = model_bench.main(["--variants", "block", "--layers", "2", "--batch", "2", "--seq-len", "16", "--rounds", "2",
                              "--warmup", "1", "--threads", "1", "--no-memory", "--triton", "READER_GROUP=2",
-                             "--triton", "BWD_DQ_SECOND_PASS=true", "--triton", "BWD_WARPS=none", "--json", str(out)])
-    want = {"READER_GROUP": 2, "BWD_DQ_SECOND_PASS": True, "BWD_WARPS": None}
+                             "--triton", "BWD_DQ_SECOND_PASS=true", "--triton", "PREFETCH=false", "--json", str(out)])
+    want = {"READER_GROUP": 2, "BWD_DQ_SECOND_PASS": True, "PREFETCH": False}
     assert info["triton_knobs"] == json.loads(out.read_text())["triton_knobs"] == want
-    assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS, tk.BWD_WARPS) == (2, True, None)
+    assert (tk.READER_GROUP, tk.BWD_DQ_SECOND_PASS, tk.PREFETCH) == (2, True, False)
     capsys.readouterr()
     for bad in ("READER_GROUPS=2", "READER_GROUP=two"):
         with pytest.raises(SystemExit) as stop:
@@ -119,7 +120,68 @@ def test_run_gpu_without_a_gpu_says_so_in_one_line(tmp_path):
                        timeout=120)
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     assert r.stderr.startswith("run_gpu.sh: no CUDA device") and r.stderr.count("\n") == 1, r.stderr
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_gpu_refuses_an_unknown_argument_in_one_line(tmp_path):
+    import subprocess
+
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--dryrun"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "--dry-run" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # every stage at a tiny size, the device check under Triton's interpreter (minutes)
+def test_run_gpu_dry_run_runs_every_stage_and_prints_every_bar(tmp_path):
+    """run_gpu.sh --dry-run: the whole script on CPU at a tiny size. Every stage exits 0, the
+    output folder holds gpu.txt, gpu_check.rc and the three benchmarks' JSON (at most the eight
+    files a lent machine returns), and the bars are printed, one line each: the device check met
+    (the smoke checks pass), fla-core not measured (no fla-core on CPU), every other bar with a figure."""
+    import subprocess
+
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "--dry-run"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(out), "PYTHON": sys.executable}, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["decode_bench.json", "gpu.txt", "gpu_check.rc", "model_bench.json",
+                                                     "op_bench.json"]
+    for stage in ("gpu_check", "op_bench", "model_bench", "decode_bench"):
+        assert f"== {stage}: exit 0" in r.stdout, r.stdout[-3000:]
+    bars = [line for line in r.stdout.splitlines() if line.startswith("BAR ")]
+    assert len(bars) == 6, bars
+    assert bars[0].startswith("BAR device check: met") and "fla-core not measured" in bars[1]
+    assert all("×" in line and "not measured" not in line for line in bars[2:]), bars
+    assert (out / "gpu.txt").read_text().count("BAR ") == 6
+
+
+def test_bars_read_each_benchmark_and_say_where_a_figure_is_missing(tmp_path, capsys):
+    """bars.py's verdicts from hand-made outputs: a figure at or under its bar is met, above it
+    not, a stage that wrote nothing is not measured; fla-core's time decides the op-level bar."""
+    import bars
+
+    machine = dict(cpu="cpu", cpu_count=1, torch="t", python="p", gpu="NVIDIA H200")
+    (tmp_path / "gpu_check.rc").write_text("0\n")
+    (tmp_path / "op_bench.json").write_text(json.dumps(dict(
+        machine=machine, sublayers=32, block_size=4, tokens=16384, d=2048, dtype="bfloat16",
+        rows=[dict(impl="fused per read", ms=29.0), dict(impl="fused two-phase", ms=35.0),
+              dict(impl="fla fused_attnres", ms=29.9)])))
+    rows = [dict(variant="baseline", ratio=1.0, ratio_q1=1.0, ratio_q3=1.0, step_ms=100.0, peak_mib=1000.0),
+            dict(variant="block", ratio=1.04, ratio_q1=1.03, ratio_q3=1.05, step_ms=104.0, peak_mib=1150.0,
+                 memory_ratio=1.15),
+            dict(variant="full", ratio=1.2, ratio_q1=1.1, ratio_q3=1.3, step_ms=120.0)]
+    (tmp_path / "model_bench.json").write_text(json.dumps(dict(machine=machine, preset="194m", compile=True, rounds=6,
+                                                               block_size=3, rows=rows)))
+    got = dict(bars.main([str(tmp_path)]))
+    assert "NVIDIA H200" in capsys.readouterr().out
+    assert got["device check"].startswith("met")
+    assert got["op level: Block read fwd+bwd ≤ fla-core fused_attnres"].split(" [")[0].endswith(": met")
+    assert got["model level: block step ≤ 1.05× baseline"].split(" [")[0].endswith(": met")
+    assert got["model level: full step ≤ 1.1× baseline"].split(" [")[0].endswith(": NOT met")
+    assert got["model level: block peak memory ≤ 1.1× baseline"].split(" [")[0].endswith(": NOT met")
+    assert got["inference: block decode latency per token ≤ 1.02× baseline"].startswith("not measured")
+    (tmp_path / "gpu_check.rc").write_text("1\n")
+    assert dict(bars.bars(tmp_path))["device check"].startswith("NOT met")
 
 
 def test_tile_sweep_names_a_bad_configuration_before_it_looks_for_a_gpu():
@@ -133,8 +195,8 @@ def test_tile_sweep_names_a_bad_configuration_before_it_looks_for_a_gpu():
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tile_sweep.py"), "--config", bad],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and f"--config {bad.split(',')[-1]!r}: allowed: NAME=VALUE" in r.stderr, r.stderr
-    assert tile_sweep.parse_triton_knobs(["PREFETCH=true", "BWD_PROGRAMS_PER_SM=8"], None) == {
-        "PREFETCH": True, "BWD_PROGRAMS_PER_SM": 8}
+    assert tile_sweep.parse_triton_knobs(["PREFETCH=true", "READER_GROUP=8"], None) == {
+        "PREFETCH": True, "READER_GROUP": 8}
 
 
 def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_path, monkeypatch, capsys):
@@ -154,22 +216,20 @@ def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_pat
     monkeypatch.setattr(tile_sweep, "machine", lambda: {})
     monkeypatch.setattr(tile_sweep, "bench", lambda *a: [seen.append({k: getattr(tk, k) for k in tk.KNOBS}) or 1.0])
     monkeypatch.setattr(tile_sweep, "profiled", lambda *a, **k: dict(
-        wall_ms=1.0, busy_ms=1.0, read_fwd_ms=float(tk.FWD_TILE_ELEMS), read_bwd_ms=1.0, top=[]))
+        wall_ms=1.0, busy_ms=1.0, read_fwd_ms=float(tk.READER_GROUP or 0), read_bwd_ms=1.0, top=[]))
     default = {k: getattr(tk, k) for k in tk.KNOBS}
-    info = tile_sweep.main(["--reader-groups", f"{default['READER_GROUP']},1",
-                            "--fwd", f"{default['FWD_TILE_ELEMS']},8192", "--bwd", "", "--bwd-warps", "",
-                            "--bwd-programs", "", "--json", str(tmp_path / "a.json")])
+    info = tile_sweep.main(["--reader-groups", f"{default['READER_GROUP']},1,3", "--json", str(tmp_path / "a.json")])
     assert [r["moved"] for r in info["rows"]] == [{}, {"PAIRED_SUMS": not default["PAIRED_SUMS"]},
                                                   {"FOLD_RMS_GRAD": not default["FOLD_RMS_GRAD"]},
                                                   {"PREFETCH": not default["PREFETCH"]},
                                                   {"BWD_DQ_SECOND_PASS": not default["BWD_DQ_SECOND_PASS"]},
-                                                  {"READER_GROUP": 1}, {"FWD_TILE_ELEMS": 8192}]
-    assert [r["read_fwd_ms"]["fused per read"] for r in info["rows"]][-1] == 8192.0  # timed under its knobs
-    assert seen[-1] == {**default, "FWD_TILE_ELEMS": 8192} and {k: getattr(tk, k) for k in tk.KNOBS} == default
-    info = tile_sweep.main(["--triton", "BWD_PROGRAMS_PER_SM=8", "--config", "PREFETCH=false,READER_GROUP=none",
+                                                  {"READER_GROUP": 1}, {"READER_GROUP": 3}]
+    assert [r["read_fwd_ms"]["fused per read"] for r in info["rows"]][-1] == 3.0  # timed under its knobs
+    assert seen[-1] == {**default, "READER_GROUP": 3} and {k: getattr(tk, k) for k in tk.KNOBS} == default
+    info = tile_sweep.main(["--triton", "PAIRED_SUMS=true", "--config", "PREFETCH=false,READER_GROUP=none",
                             "--json", str(tmp_path / "b.json")])
     assert [r["moved"] for r in info["rows"]] == [{}, {"PREFETCH": False, "READER_GROUP": None}]
-    assert all(r["knobs"]["BWD_PROGRAMS_PER_SM"] == 8 for r in info["rows"])
+    assert all(r["knobs"]["PAIRED_SUMS"] is True for r in info["rows"])
     assert json.loads((tmp_path / "b.json").read_text())["rows"] == info["rows"]
     assert "READER_GROUP=None, PREFETCH=False" in capsys.readouterr().out
 
@@ -202,6 +262,9 @@ def test_op_bench_implementations_agree(tmp_path):
     (model_bench.main, ["--variants", "block", "--layers", "1"], "--variants block: residual.block_size=4 must be"),
     (model_bench.main, ["--variants", "block", "--blocks", "0"], "--blocks 0: the number of blocks must be at least 1"),
     (op_bench.main, ["--only", "nope", "--tokens", "8", "--d", "8"], "--only: no implementation 'nope' here; allowed:"),
+    (decode_bench.main, ["--new", "0"], "--new 0: allowed: a whole number from 1"),
+    (decode_bench.main, ["--variants", "nope"], "--variants: unknown nope; allowed: baseline,"),
+    (decode_bench.main, ["--layers", "1"], "residual.block_size=4 must be"),
 ])
 def test_bad_arguments_exit_2_with_one_error_line(main, argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
@@ -298,7 +361,8 @@ def test_the_gpu_benchmarks_run_without_the_harness_config_stack(tmp_path):
                   "--batch", "1", "--seq-len", "8", "--rounds", "1", "--warmup", "1", "--json",
                   str(tmp_path / "m.json")],
                  [str(bench / "op_bench.py"), "--help"], [str(bench / "gpu_check.py"), "--help"],
-                 [str(bench / "tile_sweep.py"), "--help"]):
+                 [str(bench / "tile_sweep.py"), "--help"], [str(bench / "decode_bench.py"), "--help"],
+                 [str(bench / "bars.py"), "--help"]):
         r = subprocess.run([sys.executable, "-c", run, *argv], capture_output=True, text=True, timeout=300,
                            cwd=tmp_path)
         assert r.returncode == 0, f"{argv[0]}: {r.stderr[-2000:]}"
@@ -325,30 +389,30 @@ def test_model_bench_profile_names_each_variants_costliest_operators(tmp_path, c
 @pytest.mark.slow  # compiles a dozen Triton kernels to cubins (about 20 s)
 def test_kernel_resources_counts_registers_of_the_kernels_a_step_launches(tmp_path):
     """kernel_resources.py compiles, for sm_90a and without a GPU, every Triton kernel one block
-    step launches and reads registers and occupancy from the cubins; --triton BWD_WARPS=16 reaches the
-    backward alone; --triton READER_GROUP=1 makes every read launch one reader, the backward's
+    step launches and reads registers and occupancy from the cubins, every autotuning candidate (4 and
+    8 warps, tiles within the budget); --triton READER_GROUP=1 makes every read launch one reader, the backward's
     later launches accumulating; --triton BWD_DQ_SECOND_PASS=false (the default's opposite) reaches the backward. In a child process: it replaces Triton's active driver for good."""
     import subprocess
 
     pytest.importorskip("triton")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
             "print(json.dumps([kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2']), "
-            "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_WARPS=16']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'READER_GROUP=1']), "
             "kr.main(['--d-model', '64', '--heads', '2', '--layers', '2', '--block-size', '2', '--triton', 'BWD_DQ_SECOND_PASS=false'])]))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # two-phase: its phase-one reads launch 2 and 3 readers (S = 2 and the output read)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "ATTNRES_SCHEDULE": "two_phase"}
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], capture_output=True, text=True,
                        env=env, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    default, sixteen, single, second = json.loads(r.stdout.strip().splitlines()[-1])
+    default, single, second = json.loads(r.stdout.strip().splitlines()[-1])
     names = {row["kernel"] for row in default}
-    assert {"_read_fwd_kernel", "_read_bwd_kernel", "_inv_rms_fwd_kernel", "_inv_rms_bwd_kernel"} <= names, names
+    assert {"_read_fwd_kernel", "_read_bwd_kernel", "_inv_rms_fwd_kernel"} <= names, names
     for row in default:
         assert 0 < row["registers"] <= 255 and 0 < row["occupancy"] <= 1 and row["programs_per_sm"] >= 1, row
-    assert all(row["warps"] == 16 for row in sixteen if row["kernel"] == "_read_bwd_kernel")
-    assert all(row["warps"] < 16 for row in default if row["kernel"] == "_read_bwd_kernel")
-    assert ([row["warps"] for row in sixteen if row["kernel"] == "_read_fwd_kernel"]
-            == [row["warps"] for row in default if row["kernel"] == "_read_fwd_kernel"])
+    for kernel, most in (("_read_fwd_kernel", 8192), ("_read_bwd_kernel", 4096)):
+        rows = [row for row in default if row["kernel"] == kernel]
+        assert {row["warps"] for row in rows} == {4, 8}, rows
+        assert all(row["spec"]["R_PAD"] * row["spec"]["BLOCK_T"] * row["spec"]["W_PAD"] <= most for row in rows), rows
     reads = lambda rows: [row for row in rows if row["kernel"].startswith("_read_")]  # noqa: E731
     assert {row["spec"]["R"] for row in reads(default)} == {1, 2, 3} and {row["spec"]["R"] for row in reads(single)} == {1}
     assert any(row["spec"].get("ACCUMULATE") for row in single) and not any(row["spec"].get("ACCUMULATE") for row in default)
@@ -374,5 +438,5 @@ def test_host_time_times_both_schedules_with_launches_that_run_nothing(tmp_path)
     result = json.loads(r.stdout.strip().splitlines()[-1])
     times, names = result["ms"], result["kernels"]
     assert set(times) == {"two_phase", "per_read"} and all(ms > 0 for ms in times.values()), times
-    assert names == ["_inv_rms_bwd_kernel", "_inv_rms_fwd_kernel", "_read_bwd_kernel", "_read_fwd_kernel"], names
+    assert names == ["_inv_rms_fwd_kernel", "_read_bwd_kernel", "_read_fwd_kernel"], names
     assert "two_phase: host" in r.stdout and "per_read : host" in r.stdout

@@ -126,6 +126,43 @@ def test_generate_until_keeps_the_prompt_when_asked_for_more_tokens_than_the_win
     assert out == [greedy.split("\x00")[0]]  # byte 0 is end of text: generation stops there
 
 
+@pytest.mark.parametrize("variant", ["baseline", "block", "full", "mhc"])
+def test_generate_until_decodes_from_the_cache_as_recomputing_the_window_does(variant):
+    """Sampled at temperature 1.5 with the global seed: the same text as the loop that reruns the
+    last max_length tokens for every new token (the adapter's former path, float32), and the model
+    sees the prompt once, then one token per step until the text outgrows the window (24)."""
+    torch.manual_seed(0)
+    m = DecoderLM(ModelConfig(d_model=32, layers=2, n_heads=2, max_seq_len=24), ResidualConfig(name=variant, block_size=2))
+    with torch.no_grad():
+        for p in m.residual.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    m.eval()
+    context, n, temperature = "Once upon", 20, 1.5
+    torch.manual_seed(7)
+    ids = list(context.encode())
+    for _ in range(n):
+        with torch.no_grad():
+            logits = m(torch.tensor([ids[-24:]]))[0][0, -1].float()
+        nxt = int(torch.multinomial(F.softmax(logits / temperature, dim=-1), 1))
+        if nxt == 0:  # end of text
+            break
+        ids.append(nxt)
+    want = bytes(ids[len(context):]).decode("utf-8", errors="ignore")
+    fed = []
+    hook = m.embed.register_forward_hook(lambda mod, args, out: fed.append(tuple(args[0].shape)))
+    try:
+        lm = AttnResLM(pretrained=m)
+        torch.manual_seed(7)
+        out = lm.generate_until([request("generate_until", (context, {"until": [], "max_gen_toks": n, "do_sample": True,
+                                                                         "temperature": temperature}))], disable_tqdm=True)
+    finally:
+        hook.remove()
+    assert out == [want]
+    cached = 24 - len(context) + 1  # steps while prompt + new text fits the window
+    assert fed[0] == (1, len(context)) and all(shape == (1, 1) for shape in fed[1:cached])
+    assert all(shape == (1, 24) for shape in fed[cached:])
+
+
 def test_tokenizer_choice():
     assert tokenizer_for(256).name == "bytes" and tokenizer_for(512).name == "bytes"
     with pytest.raises(TokenizerError, match="vocab_size=100"):

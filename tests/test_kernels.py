@@ -109,6 +109,7 @@ def test_triton_backward_programs_walking_several_row_tiles(path, monkeypatch, v
     path("triton", "two_phase")
     one_tile = _run(res, x, subs, ws)
     monkeypatch.setattr(triton_kernels, "_tiles", lambda r_pad, w_pad, backward=False: (2, 4))
+    _fresh_tuning(monkeypatch, triton_kernels)
     walked = _run(res, x, subs, ws)
     _compare(walked, one_tile, dict(rtol=1e-6, atol=1e-6), f"{variant}, 2-row tiles vs one tile")
     _compare(walked, want, TOL, f"{variant}, 2-row tiles vs the PyTorch path")
@@ -186,19 +187,72 @@ def test_triton_knobs_of_order_change_nothing(path, monkeypatch, knob, variant, 
     _compare(toggled, want, TOL, f"{variant}, {knob} toggled vs the PyTorch path")
 
 
+def _fresh_tuning(monkeypatch, tk):
+    """The autotuner's choices forgotten for this test, and the earlier ones back after it."""
+    for kernel in (tk._read_fwd_kernel, tk._read_bwd_kernel):
+        monkeypatch.setattr(kernel, "cache", {})
+
+
 @needs_triton
-def test_backward_programs_per_sm_set_its_grid(monkeypatch):
-    """BWD_PROGRAMS_PER_SM: the backward's persistent grid on a GPU is that many programs per SM,
-    never more than its row tiles (the SM count stood in: no GPU here); three under the interpreter."""
+def test_autotune_candidates_fit_the_tile_budget_and_the_rows(monkeypatch):
+    """What the autotuner times on a GPU (the interpreter's flag switched off; nothing runs):
+    rows per program T with R_PAD·T·W_PAD in the tile budget (1k..8k elements forward, 1k..4k
+    backward), 4 and 8 warps, 4 and 8 backward programs per SM; at d 2048 one row per program
+    (the measured forward default) is among them; a one-row read (decoding one sequence) gets one
+    row per program; a tile over the budget at T = 1 keeps T = 1. Under the interpreter: one
+    candidate, large tiles."""
     from attnres.kernels import triton_kernels as tk
 
-    cuda = torch.device("cuda")
-    assert tk._programs(10_000, torch.device("cpu")) == 3
+    def rows(r_pad, w_pad, n_rows, backward):
+        configs = tk._candidates(tk._configs(backward), dict(R_PAD=r_pad, W_PAD=w_pad, n_rows=n_rows), backward)
+        return sorted({c.kwargs["BLOCK_T"] for c in configs}), configs
+
+    assert [len(c) for _, c in (rows(1, 2048, 16384, False), rows(1, 2048, 16384, True))] == [1, 1]
+    assert rows(1, 2048, 16384, False)[1][0].kwargs["BLOCK_T"] == tk._tiles(1, 2048)[0] == 32
     monkeypatch.setattr(tk, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    assert tk._programs(10_000, cuda) == tk.BWD_PROGRAMS_PER_SM * 132
-    with tk.knobs(BWD_PROGRAMS_PER_SM=8):
-        assert tk._programs(10_000, cuda) == 8 * 132 and tk._programs(700, cuda) == 700
+    fwd, configs = rows(1, 2048, 16384, False)
+    assert fwd == [1, 2, 4] and sorted({c.num_warps for c in configs}) == [4, 8] and len(configs) == 6
+    bwd, configs = rows(1, 2048, 16384, True)
+    assert bwd == [1, 2] and len(configs) == 8 and {c.kwargs["programs_per_sm"] for c in configs} == {4, 8}
+    assert rows(4, 1024, 16384, False)[0] == [1, 2] and rows(16, 1024, 16384, True)[0] == [1]
+    assert rows(1, 64, 16384, False)[0] == [16, 32, 64] and rows(1, 64, 16384, True)[0] == [16, 32, 64]
+    assert rows(1, 1024, 1, False)[0] == [1] and rows(1, 64, 3, True)[0] == [4]
+
+
+@needs_triton
+@pytest.mark.parametrize("variant,num_layers,group", [("full", FULL_CHUNK, 2), ("full_input_query", 6, None),
+                                                      pytest.param("block_multihead", 8, None, marks=pytest.mark.slow)])
+def test_autotuning_leaves_the_results_of_one_run(path, monkeypatch, variant, num_layers, group):
+    """The autotuner runs each candidate several times before the real run. Two candidates (2-row
+    and large tiles), each run twice when timed, the 2-row one chosen: outputs and gradients equal
+    an untimed run's to 1e-6 (fp32: only the order of the query-gradient sums changes), reader
+    groups that add to the sources' gradients (Full's 9 readers in groups of 2) and static query
+    slices included, and the PyTorch path's to 1e-4."""
+    from attnres.kernels import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "READER_GROUP", group)
+    run, want, untimed = _triton_against_torch(path, variant, num_layers, seed=9)
+
+    def two(configs, args, backward):
+        big = tk._tiles(args["R_PAD"], args["W_PAD"], backward)[0]
+        extra = {"programs_per_sm": tk.INTERPRET_PROGRAMS} if backward else {}
+        return [tk.triton.Config({"BLOCK_T": t, **extra}, num_warps=4) for t in (2, big)]
+
+    timed = []
+
+    def bench(kernel_call, quantiles):
+        kernel_call()
+        kernel_call()
+        timed.append(1)
+        return [1.0 if len(timed) % 2 else 2.0] * 3  # the first of each pair (2-row tiles) is faster
+
+    _fresh_tuning(monkeypatch, tk)
+    monkeypatch.setattr(tk, "_candidates", two)
+    monkeypatch.setattr(tk, "_bench", bench)
+    tuned = run()
+    assert timed and {c["BLOCK_T"] for c in tk.chosen()} == {2}
+    _compare(tuned, untimed, dict(rtol=1e-6, atol=1e-6), f"{variant}, tuned vs untimed")
+    _compare(tuned, want, TOL, f"{variant}, tuned vs the PyTorch path")
 
 
 @needs_triton
@@ -505,6 +559,29 @@ def test_torch_path_matches_reference_reads_with_weights(path):
         out, w = res(x, subs, return_weights=True)
         torch.testing.assert_close(out, res(x, subs), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("variant", ["block", "full"])
+def test_kv_cached_decoding_on_the_fused_paths_equals_the_full_forward(path, backend, variant):
+    """Decoding one sequence reads one row per step (the smallest tiles): prefill of 3 tokens, then
+    one token at a time, on the fused path, equals that path's full forward and the PyTorch
+    path's to 1e-5 (fp32)."""
+    torch.manual_seed(0)
+    m = DecoderLM(ModelConfig(d_model=D, layers=2, n_heads=2, max_seq_len=8), ResidualConfig(name=variant, block_size=2))
+    with torch.no_grad():
+        for p in m.residual.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    idx = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    path("torch")
+    with torch.no_grad():
+        want = m(idx)[0]
+        path(backend)
+        full = m(idx)[0]
+        cache = m.kv_cache(1)
+        steps = torch.cat([m(idx[:, :3], cache=cache)[0]] + [m(idx[:, t : t + 1], cache=cache)[0] for t in range(3, 6)], 1)
+    torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(steps, want, rtol=1e-5, atol=1e-5)
 
 
 # --- training: the fused path and the reference path are the same model --------------------------

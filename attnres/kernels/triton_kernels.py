@@ -33,6 +33,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import torch
@@ -107,10 +108,10 @@ def _source_ahead(src_table, i, n_src, src0, tile, tile_ok, ALIGNED: tl.constexp
     return _source_raw(src_table, i, src0, tile, tile_ok & (tl.full([1, 1], i, tl.int32) < n_src), ALIGNED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_bucket"])
 def _read_fwd_kernel(
     src_table, rms_table, src0, q_ptr, o0_ptr, lse0_ptr, out_ptr, lse_ptr,
-    n_src, n_rows, reader_stride, d, H, W,
+    n_src, n_rows, reader_stride, d, H, W, rows_bucket,
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
     ALIGNED: tl.constexpr, PREFETCH: tl.constexpr,
@@ -169,11 +170,11 @@ def _read_fwd_kernel(
     tl.store(lse_ptr + row_state, m + tl.log(ell), mask=row_state_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_bucket", "programs_per_sm"])
 def _read_bwd_kernel(
     src_table, rms_table, src0, q_ptr, o0_ptr, lse0_ptr, lse_ptr, gout_ptr, glse_ptr,
     dsrc_ptr, drms_ptr, dq_ptr, do0_ptr, dlse0_ptr, scratch_ptr,
-    n_src, n_rows, n_tiles, reader_stride, d, H, W,
+    n_src, n_rows, reader_stride, d, H, W, rows_bucket, programs_per_sm,
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -198,9 +199,11 @@ def _read_bwd_kernel(
     # 1/rms gradients are added to what the groups before wrote (each element by one program).
     # FOLD_RMS (one head, key norm): the sources' 1/rms are constants to autograd, and the key
     # norm's gradient is added to each source's gradient here, from the source read again in pass 2.
+    # rows_bucket and programs_per_sm: read by the autotuner (its key, the grid), not here
     pid = tl.program_id(0)
     cols = tl.arange(0, W_PAD)
     readers = tl.arange(0, R_PAD)
+    n_tiles = tl.cdiv(n_rows, BLOCK_T)
     for tile_id in range(pid, n_tiles, tl.num_programs(0)):
         rows = tile_id * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < n_rows
@@ -367,14 +370,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# The knobs of the kernels on a GPU. Defaults as measured on an H200 with Triton 3.6 on
-# 2026-11-30 (benchmarks/RESULTS.md, "Knob defaults"): the read kernels' own time at op_bench's work
-# (tile_sweep.py) and step times at the 194m model (model_bench.py --triton NAME=VALUE).
-
-# Elements of one [R, T, W] fp32 tile, forward and backward, and the backward's warps (None: by the
-# tile's size, as the forward's). Forward 2048 rather than 4096: one-reader reads' forward 5.8 ->
-# 4.3 ms (one 2048-channel row a program instead of two); kernel_resources.py counts registers.
-FWD_TILE_ELEMS, BWD_TILE_ELEMS, BWD_WARPS = 2048, 2048, None
+# The knobs of the kernels' algorithm on a GPU (tiles and warps are the autotuner's, below).
+# Defaults as measured on an H200 with Triton 3.6 (benchmarks/RESULTS.md, "Knob defaults"): the read
+# kernels' own time at op_bench's work (tile_sweep.py) and step times at the 194m model
+# (model_bench.py --triton NAME=VALUE).
 
 # The backward's query gradient from a second read of the sources, Δ known (see _read_bwd_kernel),
 # instead of two more accumulators in its first pass. With PREFETCH: backward 12.7 -> 12.2 ms per
@@ -397,12 +396,6 @@ READER_GROUP = 4
 # pays only with the second pass (alone: 12.7 -> 15.3 ms per read).
 PREFETCH = True
 
-# Programs of the backward per SM (its grid is persistent: each program walks row tiles). At 4 a
-# program of 4 warps leaves an SM at most a quarter of its warps, however few registers it needs;
-# more programs than fit at once run in waves. 8 with PREFETCH alone: backward 15.3 -> 12.6 ms per
-# read; not yet timed with the second pass, so 4.
-BWD_PROGRAMS_PER_SM = 4
-
 # The backward's first pass takes q·v_i and g·v_i for each source as one reduction over the
 # channels (a reduction of two tensors) rather than two: on a GPU each reduction across warps is an
 # exchange through shared memory between barriers, and the program waits at each. Not yet timed.
@@ -418,8 +411,7 @@ PAIRED_SUMS = False
 FOLD_RMS_GRAD = False
 
 # The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
-KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "BWD_WARPS", "FWD_TILE_ELEMS", "BWD_TILE_ELEMS", "PREFETCH",
-         "BWD_PROGRAMS_PER_SM", "PAIRED_SUMS", "FOLD_RMS_GRAD")
+KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "PREFETCH", "PAIRED_SUMS", "FOLD_RMS_GRAD")
 # The knobs that are switches (on or off): gpu_check.py and tile_sweep.py try each one toggled, in
 # this order (those no GPU has timed first).
 SWITCHES = ("PAIRED_SUMS", "FOLD_RMS_GRAD", "PREFETCH", "BWD_DQ_SECOND_PASS")
@@ -444,19 +436,105 @@ def _reader_groups(R: int) -> list[tuple[int, int]]:
     return [(r0, min(r0 + size, R)) for r0 in range(0, R, size)]
 
 
+# Tiles, warps and the backward's programs per SM are chosen by triton.autotune, per kernel
+# specialisation and per power of two of the rows, among the candidates below (`_candidates`): rows
+# per program such that one [R, T, W] fp32 tile holds FWD_TILE / BWD_TILE elements (the forward
+# holds about three such tiles, the backward four), 4 or 8 warps, and for the backward's
+# persistent grid 4 or 8 programs per SM. The choice is made once per shape, in the first read of
+# it (each candidate compiled and timed, a few ms each), and kept on disk where Triton caches
+# results. Under the interpreter one candidate: large tiles (fewer programs, each a numpy call
+# sequence) are what makes it fast, and nothing is timed.
+FWD_TILE, BWD_TILE = (1024, 8192), (1024, 4096)
+BLOCK_TS, WARPS, PROGRAMS_PER_SM = (1, 2, 4, 8, 16, 32, 64), (4, 8), (4, 8)
+INTERPRET_PROGRAMS = 3  # the backward's programs under the interpreter: the tests run its walk over tiles
+
+
 def _tiles(r_pad: int, w_pad: int, backward: bool = False) -> tuple[int, int]:
-    """Rows per program and warps: keep one [R, T, W] fp32 tile near 4k elements on a GPU (the
-    forward holds about three such tiles: query, accumulator, product), 2k in backward (query,
-    gradient and two accumulators); under the interpreter, large tiles (fewer programs, each a
-    numpy call sequence) are what makes it fast. Heuristics: on an H200, budgets of 8192 and 4096
-    moved op_bench's step only within its noise (benchmarks/RESULTS.md, "Tile sizes")."""
-    budget, cap = (1 << 16, 1024) if INTERPRET else ((BWD_TILE_ELEMS if backward else FWD_TILE_ELEMS), 64)
-    t = max(1, min(cap, budget // (r_pad * w_pad)))
-    t = 1 << (t.bit_length() - 1)
-    elems = r_pad * t * w_pad
-    if backward and BWD_WARPS and not INTERPRET:
-        return t, BWD_WARPS
-    return t, (4 if elems <= 2048 else 8 if elems <= 8192 else 16)
+    """Rows per program and warps under the interpreter: one [R, T, W] tile near 64k elements."""
+    t = max(1, min(1024, (1 << 16) // (r_pad * w_pad)))
+    return 1 << (t.bit_length() - 1), 4
+
+
+def _candidates(configs: list, args: dict, backward: bool) -> list:
+    """The configurations worth timing for these arguments (the kernel's, by name): rows per
+    program T with R_PAD·T·W_PAD within the tile budget, as near it as the rows allow."""
+    r_pad, w_pad, rows = args["R_PAD"], args["W_PAD"], args["n_rows"]
+    if INTERPRET:
+        t, warps = _tiles(r_pad, w_pad, backward)
+        return [triton.Config({"BLOCK_T": t, **({"programs_per_sm": INTERPRET_PROGRAMS} if backward else {})},
+                              num_warps=warps)]
+    lo, hi = BWD_TILE if backward else FWD_TILE
+    row, most = r_pad * w_pad, min(BLOCK_TS[-1], _pow2(rows))
+    t_hi = max([t for t in BLOCK_TS if t <= most and row * t <= hi] or [1])
+    t_lo = min([t for t in BLOCK_TS if t <= most and row * t >= lo] or [most])
+    return [c for c in configs if min(t_lo, t_hi) <= c.kwargs["BLOCK_T"] <= t_hi]
+
+
+def _configs(backward: bool) -> list:
+    programs = PROGRAMS_PER_SM if backward else (None,)
+    return [triton.Config({"BLOCK_T": t, **({"programs_per_sm": p} if p else {})}, num_warps=w)
+            for t in BLOCK_TS for w in WARPS for p in programs]
+
+
+def _bench(kernel_call, quantiles):
+    """The autotuner's timing of one candidate: short, since every new shape pays it once per run."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+_saved: dict[str, torch.Tensor] = {}
+
+
+def _bwd_before(args: dict, reset_only: bool = False) -> None:
+    """Before each timed run of a backward candidate (and before the real run, reset_only): zero
+    the query-gradient slices it adds to, and keep the source gradients a later reader group adds
+    to (ACCUMULATE), so that timing leaves the results as one run would."""
+    args["dq_ptr"].zero_()
+    if args["ACCUMULATE"] and not reset_only:
+        _saved.update(dsrc=args["dsrc_ptr"].clone(), drms=args["drms_ptr"].clone())
+
+
+def _bwd_after(args: dict, exception=None) -> None:
+    if _saved:
+        args["dsrc_ptr"].copy_(_saved.pop("dsrc"))
+        args["drms_ptr"].copy_(_saved.pop("drms"))
+
+
+def _tuning_options() -> dict:
+    """do_bench and disk caching where this Triton's autotune takes them (3.2 has neither)."""
+    params = inspect.signature(triton.autotune).parameters
+    opts = {"do_bench": lambda kernel_call, quantiles: _bench(kernel_call, quantiles)} if "do_bench" in params else \
+        {"warmup": 5, "rep": 20}
+    if "cache_results" in params:
+        opts["cache_results"] = True
+    return opts
+
+
+_SPECIALISATION = ["rows_bucket", "R", "R_PAD", "W_PAD", "KEY_NORM", "SIGMOID", "PER_TOKEN", "HAS_INIT", "ALIGNED",
+                   "PREFETCH"]
+_read_fwd_kernel = triton.autotune(
+    _configs(False), key=_SPECIALISATION, **_tuning_options(),
+    prune_configs_by={"early_config_prune": lambda configs, named, **kw: _candidates(configs, {**named, **kw}, False)},
+)(_read_fwd_kernel)
+_read_bwd_kernel = triton.autotune(
+    _configs(True), key=_SPECIALISATION + ["HAS_GLSE", "DQ_ROWS", "ACCUMULATE", "DQ_SECOND_PASS", "PAIRED_SUMS",
+                                           "FOLD_RMS"],
+    pre_hook=lambda args, reset_only=False: _bwd_before(args, reset_only),
+    post_hook=lambda args, exception=None: _bwd_after(args, exception), **_tuning_options(),
+    prune_configs_by={"early_config_prune": lambda configs, named, **kw: _candidates(configs, {**named, **kw}, True)},
+)(_read_bwd_kernel)
+
+
+def retune() -> None:
+    """Forget the configurations chosen so far: the next read of each shape chooses again."""
+    for kernel in (_read_fwd_kernel, _read_bwd_kernel):
+        kernel.cache.clear()
+
+
+def chosen() -> list[dict]:
+    """The configurations chosen so far, by kernel and autotuning key (for the benchmarks' output)."""
+    return [dict(kernel=kernel.base_fn.__name__, key=[str(k) for k in key], BLOCK_T=config.kwargs["BLOCK_T"],
+                 num_warps=config.num_warps, programs_per_sm=config.kwargs.get("programs_per_sm"))
+            for kernel in (_read_fwd_kernel, _read_bwd_kernel) for key, config in kernel.cache.items()]
 
 
 # Pointer tables by device, stream and pointers (the key is the table's content, so a hit is always
@@ -494,12 +572,8 @@ def _aligned(tensors: list[torch.Tensor]) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _programs(n_tiles: int, device: torch.device) -> int:
-    """Programs of the backward: BWD_PROGRAMS_PER_SM per SM on a GPU, each walking several row
-    tiles; three under the interpreter, so that the tests run that walk."""
-    if INTERPRET or device.type != "cuda":
-        return min(n_tiles, 3)
-    return min(n_tiles, BWD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+def _sms(device: torch.device) -> int:
+    return 1 if INTERPRET or device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, per_token, out_dtype):
@@ -517,14 +591,12 @@ def read_forward(sources, inv_rms, query, init_out, init_lse, heads, sigmoid, pe
     src_table, rms_table = _tables(sources, inv_rms, device)
     has_init = init_out is not None
     for r0, r1 in _reader_groups(R):  # readers r0..r1-1: slices of the (R, …) tensors
-        r_pad = _pow2(r1 - r0)
-        block_t, warps = _tiles(r_pad, w_pad)
-        _read_fwd_kernel[(triton.cdiv(n_rows, block_t),)](
+        _read_fwd_kernel[lambda meta: (triton.cdiv(n_rows, meta["BLOCK_T"]),)](
             src_table, rms_table, ref, query if per_token else query[r0:r1],
             init_out[r0:r1] if has_init else out, init_lse[r0:r1] if has_init else lse,
-            out[r0:r1], lse[r0:r1], len(sources), n_rows, N * d, d, H, W,
-            R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=bool(inv_rms), SIGMOID=sigmoid,
-            PER_TOKEN=per_token, HAS_INIT=has_init, ALIGNED=_aligned(sources), PREFETCH=PREFETCH, num_warps=warps,
+            out[r0:r1], lse[r0:r1], len(sources), n_rows, N * d, d, H, W, _pow2(n_rows),
+            R=r1 - r0, R_PAD=_pow2(r1 - r0), W_PAD=w_pad, KEY_NORM=bool(inv_rms), SIGMOID=sigmoid,
+            PER_TOKEN=per_token, HAS_INIT=has_init, ALIGNED=_aligned(sources), PREFETCH=PREFETCH,
         )
     return out, lse
 
@@ -559,24 +631,26 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
     dlse0 = torch.empty(R, N, H, device=device, dtype=torch.float32) if has_init else lse
     scratch = torch.empty(max(n, 1), 3, max(_pow2(r1 - r0) for r0, r1 in groups), n_rows, device=device, dtype=torch.float32)
     src_table, rms_table = _tables(sources, inv_rms, device)
+    sms = _sms(device)
+    # the persistent grid: programs_per_sm per SM, at most one per row tile; a static query's
+    # gradient has a slice per program, as many as the largest candidate grid
+    most = min(n_rows, (INTERPRET_PROGRAMS if INTERPRET else max(PROGRAMS_PER_SM)) * sms)
+    grid = lambda meta: (min(triton.cdiv(n_rows, meta["BLOCK_T"]), meta["programs_per_sm"] * sms),)  # noqa: E731
     for r0, r1 in groups:  # readers r0..r1-1: slices of the (R, …) tensors
         r_pad = _pow2(r1 - r0)
-        block_t, warps = _tiles(r_pad, w_pad, backward=True)
-        n_tiles = triton.cdiv(n_rows, block_t)
-        grid = _programs(n_tiles, device)
         if not (per_token or dq_rows):
-            dq_parts.append(torch.zeros(grid, r_pad, W, device=device, dtype=torch.float32))
-        _read_bwd_kernel[(grid,)](
+            dq_parts.append(torch.zeros(most, r_pad, W, device=device, dtype=torch.float32))
+        _read_bwd_kernel[grid](
             src_table, rms_table, sources[0] if n else grad_out, query if per_token else query[r0:r1],
             init_out[r0:r1] if has_init else grad_out, init_lse[r0:r1] if has_init else lse, lse[r0:r1],
             grad_out[r0:r1], grad_lse[r0:r1] if grad_lse is not None else lse,
             dsrc, drms, dq if per_token else dq[r0:r1] if dq_rows else dq_parts[-1],
             do0[r0:r1] if has_init else do0, dlse0[r0:r1] if has_init else dlse0, scratch,
-            n, n_rows, n_tiles, N * d, d, H, W,
-            R=r1 - r0, R_PAD=r_pad, BLOCK_T=block_t, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
+            n, n_rows, N * d, d, H, W, _pow2(n_rows),
+            R=r1 - r0, R_PAD=r_pad, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
             PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
             ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, DQ_SECOND_PASS=BWD_DQ_SECOND_PASS,
-            PREFETCH=PREFETCH, PAIRED_SUMS=PAIRED_SUMS, FOLD_RMS=fold_rms, num_warps=warps,
+            PREFETCH=PREFETCH, PAIRED_SUMS=PAIRED_SUMS, FOLD_RMS=fold_rms,
         )
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query
