@@ -111,6 +111,7 @@ def test_two_variants_are_two_studies_with_their_own_trials(tmp_path, mlflow_uri
         LR,
         "hydra.sweeper.n_trials=4",
         "hydra.sweeper.mlflow.plots=true",
+        "hydra.sweeper.pruner.name=none",  # a 4-trial study prunes after 2; here every trial runs
         mlflow_uri=mlflow_uri,
     )
 
@@ -228,7 +229,7 @@ def test_a_config_another_process_is_training_voids_the_trial_not_fails_it(tmp_p
     TrialNotRun). That is no fault of the config: the trial is void, does not count against
     max_failure_rate (0 here) and another trial takes its place."""
     done = sweep(tmp_path, "busy", LR, "hydra.sweeper.n_trials=3", "hydra.sweeper.max_failure_rate=0",
-                 SWEEP_TEST_BUSY_AT="2")
+                 "hydra.sweeper.pruner.name=none", SWEEP_TEST_BUSY_AT="2")  # no trial pruned: each one's state is known
     assert done.returncode == 0, done.stderr[-2000:]
     trials = study(tmp_path, "test").trials
     assert states(trials) == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
@@ -392,7 +393,8 @@ def test_a_dead_workers_trial_is_run_again(tmp_path, mlflow_uri):
     assert states(study(tmp_path, "test").trials) == [TrialState.RUNNING]
 
     time.sleep(2.5)  # past the grace period: the next worker takes the trial as dead
-    sweep(tmp_path, "rerun", LR, "hydra.sweeper.n_trials=3", *beat, mlflow_uri=mlflow_uri)
+    sweep(tmp_path, "rerun", LR, "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner.name=none", *beat,
+          mlflow_uri=mlflow_uri)  # no pruning: the 3 trials after the dead one all complete
     trials = study(tmp_path, "test").trials
     assert states(trials) == [TrialState.FAIL] + [TrialState.COMPLETE] * 3
     from mlflow import MlflowClient
