@@ -28,7 +28,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tup
     torch.compile they are constants of the graph (`assume_constant_result`): a lookup in the
     graph made Dynamo guard on the cache's contents (the step that filled it made the next one
     recompile), and a computation in the graph was fused into the rotation, float64 sin and cos
-    for every element of q and k (on an H200, 8.7 ms of a 125 ms 194m step).
+    for every element of q and k.
     """
     key = (seq_len, head_dim, theta, str(device), dtype)
     if key not in _ROPE_CACHE:
@@ -42,10 +42,9 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tup
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x1, x2) of the two halves of each head (the GPT-NeoX / Llama layout),
     (x1·cos − x2·sin, x2·cos + x1·sin), written as x·cos + (x2, x1)·sin with `rope_tables`' signed
-    tables: the same values bit for bit as the pairwise form, in four ops instead of eight. On a
-    CPU at d_model 64 the op count, not the arithmetic, set the rotation's cost (5% of a training
-    step, benchmarks/RESULTS.md). x: (B, T, H, head_dim), contiguous (before the heads are moved
-    forward for attention: elementwise ops on the transposed view were slower)."""
+    tables: the same values bit for bit as the pairwise form, in four ops instead of eight (at small
+    widths the op count sets the cost). x: (B, T, H, head_dim), contiguous (before the heads are
+    moved forward for attention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
@@ -166,7 +165,7 @@ class SwiGLU(nn.Module):
 
 
 class Sublayer(nn.Module):
-    """f(h) = op(RMSNorm(h)): one attention or one MLP with its own PreNorm (PAPER.md, vocabulary)."""
+    """f(h) = op(RMSNorm(h)): one attention or one MLP with its own PreNorm (docs/MATH.md, vocabulary)."""
 
     def __init__(self, kind: str, cfg: ModelConfig):
         super().__init__()

@@ -1,4 +1,4 @@
-"""The issue's bars from run_gpu.sh's outputs: one line each, with the figure, the bar and whether
+"""The GPU bars from run_gpu.sh's outputs: one line each, with the figure, the bar and whether
 it is met, "not measured" (and why) where a stage did not produce it.
 
     python benchmarks/bars.py benchmarks/results      # the folder run_gpu.sh wrote (OUT)
@@ -29,7 +29,7 @@ def _verdict(value, bar) -> str:
 
 
 def bars(folder: Path) -> list[tuple[str, str]]:
-    """(bar, the line that says where it stands) for each bar of the issue."""
+    """(bar, the line that says where it stands) for each GPU bar."""
     out = []
     rc = (folder / "gpu_check.rc").read_text().strip() if (folder / "gpu_check.rc").exists() else None
     check = ("not measured (the device check did not run)" if rc is None else

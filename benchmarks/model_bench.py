@@ -50,7 +50,7 @@ from harness import malloc  # noqa: E402  (the allocator settings training runs 
 
 # Model presets: "default" is the harness's CPU default (conf/model/default.yaml: d_model 64,
 # 2 heads, d_ff 192; conf/train/default.yaml: batch 16 × 128, byte vocabulary) with
-# model.layers=16, the shape the issue's CPU bars are stated for; "d128" the wider CPU shape the
+# model.layers=16, the CPU study's shape; "d128" the wider CPU shape the
 # first measurements used (d_model 128, 4 heads, batch 16 × 256); "194m" the paper's smallest model
 # as the harness's dense preset (conf/model/194m.yaml), one micro-batch of 4 × 8192. `blocks`: the
 # Block variants' block count N (S = round(2·layers/N)); None keeps each variant's S = 4 (the CPU

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The bars on one CUDA GPU in one go, inside GPU_BUDGET_S seconds (default 470: the
+# The GPU bars (benchmarks/bars.py) on one CUDA GPU in one go, inside GPU_BUDGET_S seconds (default 470: the
 # script fits 8 minutes with its set-up): first the device check against the float64 reference,
 # then op level (Block read fwd+bwd vs fla-core's fused_attnres), model level (194m, bf16, compiled:
 # block and full step time vs baseline, block peak memory), inference (194m, bf16: prefill and

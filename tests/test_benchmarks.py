@@ -220,7 +220,6 @@ def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_pat
     default = {k: getattr(tk, k) for k in tk.KNOBS}
     info = tile_sweep.main(["--reader-groups", f"{default['READER_GROUP']},1,3", "--json", str(tmp_path / "a.json")])
     assert [r["moved"] for r in info["rows"]] == [{}, {"PAIRED_SUMS": not default["PAIRED_SUMS"]},
-                                                  {"FOLD_RMS_GRAD": not default["FOLD_RMS_GRAD"]},
                                                   {"PREFETCH": not default["PREFETCH"]},
                                                   {"BWD_DQ_SECOND_PASS": not default["BWD_DQ_SECOND_PASS"]},
                                                   {"READER_GROUP": 1}, {"READER_GROUP": 3}]

@@ -1,4 +1,4 @@
-"""The committed study (results/, issue 8): REPORT.md and every table regenerate identically from
+"""The committed study (results/): REPORT.md and every table regenerate identically from
 the committed snapshot with the documented command, every figure is regenerated, and every run in
 the snapshot is accounted for (finished, or listed in the report with its failure)."""
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_every_run_in_the_snapshot_is_finished_or_reported():
     report = (RESULTS / "REPORT.md").read_text()
     for run in runs[runs["status"] != "FINISHED"].itertuples():
         assert run.run_id[:12] in report, f"run {run.run_id} ({run.status}) is not in REPORT.md"
-    # The study's sections are all there (issue 8: ablation, block size, scaling, arch, probe).
+    # The study's sections are all there (ablation, block size, scaling, arch, probe).
     assert set(runs["sweep"]) >= {"ablation", "block_size", "scaling", "arch", "multihop"}
     assert (runs[runs["sweep"] == "ablation"].groupby("variant").size() >= 3).all()
     assert "Kendall τ" in report

@@ -3,7 +3,7 @@
 Imported lazily (only when the Triton path runs), so that `attnres` imports without Triton and so
 that tests can set TRITON_INTERPRET=1 before the kernels are decorated.
 
-The operation (PAPER.md, "Full AttnRes" and "Two-phase computation"), for readers r = 1..R:
+The operation (docs/MATH.md, "One depth read" and "The two-phase computation"), for readers r = 1..R:
 
     s_ri = (q_r · v_i) · ρ_i            ρ_i = 1/rms(v_i), shared by every reader (1 without key norm)
     t_ri = s_ri  (softmax)  or  log σ(s_ri)  (sigmoid, renormalised: σ_i/Σσ_j = softmax_i(log σ_i))
@@ -11,7 +11,7 @@ The operation (PAPER.md, "Full AttnRes" and "Two-phase computation"), for reader
 
 q_r is already the key-norm gain times the pseudo-query (RMSNorm(v)·w = (g∘w)·v/rms(v)).
 
-Design decisions:
+How:
 - Sources arrive as a table of data pointers, not a stacked tensor: a read never copies its
   sources, and one launch reads any number of them. Every source is read once per launch, for
   all R readers (phase 1 of the paper's Algorithm 1 reads the completed blocks once for the S
@@ -191,7 +191,7 @@ def _read_bwd_kernel(
     # scalars, g and q (no read of v).
     # DQ_SECOND_PASS: pass 1 keeps no dq accumulators (two fewer [R, T, W] tiles, no Welford
     # update) and pass 2 reads each source again for dq = Σ_i ds_i ρ_i v_i with Δ known
-    # (BWD_DQ_SECOND_PASS, the default: on an H200 the read costs less than the registers did).
+    # (BWD_DQ_SECOND_PASS, the default: the read costs less than the registers).
     # Each program walks row tiles pid, pid + P, … (P programs, a few per SM): a static query's
     # gradient is summed over its tiles in its own slice of dq, so the partial sums the wrapper
     # adds up are P, not one per tile (16k of them at BLOCK_T = 1 and d = 2048).
@@ -370,51 +370,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# The knobs of the kernels' algorithm on a GPU (tiles and warps are the autotuner's, below).
-# Defaults as measured on an H200 with Triton 3.6 (benchmarks/RESULTS.md, "Knob defaults"): the read
-# kernels' own time at op_bench's work (tile_sweep.py) and step times at the 194m model
-# (model_bench.py --triton NAME=VALUE).
+# The knobs of the kernels' algorithm on a GPU (tiles and warps are the autotuner's, below). The
+# defaults are the fastest measured (benchmarks/RESULTS.md); tile_sweep.py times each one moved.
 
 # The backward's query gradient from a second read of the sources, Δ known (see _read_bwd_kernel),
-# instead of two more accumulators in its first pass. With PREFETCH: backward 12.7 -> 12.2 ms per
-# read, 17.0 -> 15.2 ms two-phase; with READER_GROUP = 4, Full's 194m step ratio 1.52 -> 1.45.
+# instead of two more accumulators in its first pass: fewer registers for one more read.
 BWD_DQ_SECOND_PASS = True
 
-# Readers one launch takes at most (None: all of a read's readers). A tile holds R readers padded
-# to a power of two: Full's last phase-1 read (8 sublayers and the output read) has 9, padded to
-# 16, and its backward spills registers when compiled for sm_90a. Groups of at most READER_GROUP
-# readers pad less and hold smaller tiles, for one more read of the sources per group (the
-# backward adds each group's source gradients to the last's). Groups of 4 with the second pass
-# above: Full as measured there; groups of 1 or 2 slowed the two-phase backward (16.8 -> 26.8 and
-# 25.6 ms). Block with S <= 3 never splits.
+# Readers one launch takes at most (None: all of a read's readers). A tile pads its readers to a
+# power of two (Full's last phase-1 read has 9, padded to 16, and spills); groups pad less and hold
+# smaller tiles, for one more read of the sources per group.
 READER_GROUP = 4
 
-# Each loop over the sources (forward, and the backward's first pass) issues the load of source
-# i + 1 before it uses source i: one more tile in flight per program, for one more [T, W] tile of
-# registers in the sources' dtype (a program holds one 2048-channel row and waits for each load
-# before its reductions). Forward 4.3 -> 3.9 ms per read, 6.8 -> 5.9 two-phase; in the backward it
-# pays only with the second pass (alone: 12.7 -> 15.3 ms per read).
+# Each loop over the sources issues the load of source i + 1 before it uses source i: one more tile
+# in flight per program, for one more tile of registers.
 PREFETCH = True
 
-# The backward's first pass takes q·v_i and g·v_i for each source as one reduction over the
-# channels (a reduction of two tensors) rather than two: on a GPU each reduction across warps is an
-# exchange through shared memory between barriers, and the program waits at each. Not yet timed.
+# The backward's q·v_i and g·v_i as one reduction over the channels instead of two: one exchange
+# between warps fewer per source. Not yet timed on a GPU, so off.
 PAIRED_SUMS = False
 
-# Reads of one head with key norm take their sources' 1/rms as constants and add the key norm's
-# gradient to each source's gradient in their own backward (from the source read again in its
-# second pass), instead of returning ∂L/∂ρ for the rms backward kernel: no rms backward launch per
-# source and no second gradient per source for autograd to add (fla-core folds it likewise; our
-# 1/rms is still computed once per source). Under bf16 autocast the embedding's 1/rms comes from
-# its fp32 value and the folded term from its bf16 stored copy: a rounding of 2^-9 in that term of
-# its gradient only. Not yet timed.
-FOLD_RMS_GRAD = False
-
 # The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
-KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "PREFETCH", "PAIRED_SUMS", "FOLD_RMS_GRAD")
-# The knobs that are switches (on or off): gpu_check.py and tile_sweep.py try each one toggled, in
-# this order (those no GPU has timed first).
-SWITCHES = ("PAIRED_SUMS", "FOLD_RMS_GRAD", "PREFETCH", "BWD_DQ_SECOND_PASS")
+KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "PREFETCH", "PAIRED_SUMS")
+# The knobs that are switches: gpu_check.py and tile_sweep.py try each one toggled, untimed first.
+SWITCHES = ("PAIRED_SUMS", "PREFETCH", "BWD_DQ_SECOND_PASS")
 
 
 @contextlib.contextmanager
