@@ -44,7 +44,7 @@ from harness.data import DataError, TokenData, load_data
 from harness.identity import changes_the_run, override_key
 from harness.resolvers import absolute_sqlite
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
-from harness.tracking import MlflowTracker, NullTracker, replay_folder
+from harness.tracking import MlflowTracker, NullTracker, end_replaced_run, replay_folder
 from harness.tracking_store import TrackingUnreachable, check_tracking_uri
 from harness.train import RESUME_HINT, NonFiniteLoss, StopRequested, Trainer
 
@@ -169,11 +169,15 @@ def _run(cfg: DictConfig) -> float:
 
     plain = to_plain(spec.cfg)
     main = rank() == 0
-    folder = RunFolder(run_folder(plain), read_only=not main)  # under torchrun rank 0 alone writes
+    identity = {"run_key": run_key(plain), "seed": spec.cfg.train.seed, "variant": spec.cfg.residual.name}
+    folder = RunFolder(run_folder(plain), read_only=not main, identity=identity)  # under torchrun rank 0 alone writes
     with distributed.process_group(spec):
         refusal = None
+        replaced = None  # the record of the run a fresh start (train.resume=false) replaces
         if main:
             try:
+                if not spec.cfg.train.resume:
+                    replaced = folder.record()
                 folder.acquire(fresh=not spec.cfg.train.resume)
             except RunBusy as error:
                 refusal = error
@@ -184,6 +188,9 @@ def _run(cfg: DictConfig) -> float:
         refusal = distributed.from_main(refusal)  # also keeps the other ranks off the folder until it is ready
         if refusal is not None:
             return _bad_input(refusal, multirun, output_dir)
+        if replaced and replaced.get("mlflow_run_id") and replaced.get("tracking_uri"):
+            end_replaced_run(replaced["tracking_uri"], replaced["mlflow_run_id"],
+                             "replaced: train.resume=false started this config again from step 0")
         try:
             return _run_in_folder(spec, plain, data, folder, multirun, output_dir, overrides)
         finally:
