@@ -190,10 +190,15 @@ class RunFolder:
         for stale in self.path.glob(".*.tmp"):
             stale.unlink(missing_ok=True)
         if fresh:
-            for child in self.path.iterdir():
-                if child.name != ".lock":
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+            self.clear()
         return self
+
+    def clear(self) -> None:
+        """Empty the folder (its lock kept): the run starts again from step 0."""
+        for child in self.path.iterdir():
+            if child.name != ".lock":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        self._last_trusted = False
 
     def release(self) -> None:
         """Drop the lock. A folder this process made that holds nothing but the lock (the run was

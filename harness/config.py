@@ -64,6 +64,14 @@ class ParallelMode(Enum):
     fsdp = "fsdp"  # parameters, gradients and optimizer state sharded over the processes (FSDP2)
 
 
+class CodeChange(Enum):
+    """What a rerun does with a finished or resumable run whose code changed since (harness/job.py)."""
+
+    ask = "ask"  # refuse in one line naming the changed files (exit 2)
+    keep = "keep"  # accept the recorded result, or resume the run with the code as it is now
+    retrain = "retrain"  # train it again from step 0 into a new MLflow run
+
+
 class DecayShape(Enum):
     linear = "linear"
     cosine = "cosine"
@@ -102,6 +110,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # null = <project root>/checkpoints
     resume: bool = True  # rerunning the same config resumes it (a finished run is not redone)
     retry_failed: bool = False  # rerunning a failed config resumes it from its last good checkpoint
+    code_change: CodeChange = CodeChange.ask  # a finished or resumable run whose code changed since: ask, keep, retrain
     progress: bool = True  # tqdm bar with loss and tokens/s
 
 

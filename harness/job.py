@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from attnres.config import KNOB_READERS, reads
 from harness import distributed, instrument, malloc, memory_budget, provenance, pruning
 from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
-from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
+from harness.config import CodeChange, ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
 from harness.identity import changes_the_run, override_key
 from harness.resolvers import absolute_sqlite
@@ -234,6 +234,25 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
     changed = _data_changed(record, data)
     if changed:
         return _bad_input(DataError(changed), multirun, output_dir)
+    code_now = provenance.run_code_files()
+    edited = _code_changed(record, code_now)
+    if edited and c.train.code_change is CodeChange.ask:
+        return _bad_input(ConfigError(f"{folder.path.name}: {edited}; allowed: train.code_change=keep (its "
+                                      "recorded result, or resume it with the code as it is now) or "
+                                      "train.code_change=retrain (train it again from step 0)"), multirun, output_dir)
+    if edited and c.train.code_change is CodeChange.retrain:
+        if not folder.read_only:
+            print(f"{folder.path.name}: {edited}; train.code_change=retrain: training it again from step 0",
+                  file=sys.stderr, flush=True)
+            if record.get("mlflow_run_id") and record.get("tracking_uri"):
+                end_replaced_run(record["tracking_uri"], record["mlflow_run_id"],
+                                 "replaced: train.code_change=retrain started this config again with changed code")
+            folder.clear()
+        distributed.from_main(None)  # the other ranks read the folder only once it is cleared
+        record = None
+    elif edited and not folder.read_only:
+        log.warning("%s: %s; train.code_change=keep: %s", folder.path.name, edited,
+                    "its recorded result stands" if record.get("status") == "finished" else "resuming with this code")
     if record and record.get("status") == "finished":
         if c.tracking.enabled and record.get("mlflow_run_id") and not folder.read_only:  # metrics its server missed
             replay_folder(c.tracking.uri, record["mlflow_run_id"], folder.path)
@@ -265,7 +284,7 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
         if folder is not None:  # inside the try: a full disk here ends the MLflow run FAILED, saying why
             folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
                                 tracking_uri=c.tracking.uri if tracker.enabled else None,
-                                data_sha256=data.fingerprint.get("sha256"))
+                                data_sha256=data.fingerprint.get("sha256"), code_files=code_now)
         trainer = stops.attach(Trainer(spec, data, tracker, folder, label=label))
         if state is not None:
             trainer.load_state_dict(state)
@@ -503,6 +522,21 @@ def _data_changed(record: dict | None, data: TokenData) -> str | None:
         return None
     return (f"the data changed since this run started (fingerprint {before[:12]}… → {now[:12]}…); "
             "allowed: the data it started with, or train.resume=false to train it again on this data")
+
+
+def _code_changed(record: dict | None, now: dict[str, str]) -> str | None:
+    """What changed in the run's code (provenance.RUN_CODE) since a finished or resumable run
+    recorded it, or None. A run folder is keyed by the config, not the code: without this a rerun
+    answers "already finished" with the old code's number, or resumes it under new code silently.
+    (Records written before the code was kept are not checked.)"""
+    if not record or not record.get("code_files") or record.get("status") not in ("finished", "running", "interrupted"):
+        return None
+    files = provenance.changed_code_files(record["code_files"], now)
+    if not files:
+        return None
+    shown = ", ".join(files[:6]) + (f" and {len(files) - 6} more" if len(files) > 6 else "")
+    when = "finished" if record["status"] == "finished" else "started"
+    return f"the code changed since this run {when} ({shown})"
 
 
 def _note_layout_change(tracker, spec: RunSpec, step: int) -> None:

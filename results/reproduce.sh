@@ -16,8 +16,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p study
 export MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/study/mlflow.db}"
+# train.code_change=keep: a study continued after the code changed keeps its finished runs' results
+# and resumes the interrupted ones (the default refuses them in one line naming the changed files).
 common=(train.threads=1 train.progress=false train.checkpoint_dir="$PWD/study/checkpoints"
-        hydra.sweep.dir="study/multirun/\${sweep.name}")
+        train.code_change=keep hydra.sweep.dir="study/multirun/\${sweep.name}")
 status=0
 # The learning-rate grid's variants, split over the two lanes.
 LR_A=baseline,denseformer,hc,mhc,full,full_input_query,full_scalar
