@@ -39,7 +39,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -121,6 +121,10 @@ def creatable(folder: Path) -> OSError | None:
     return None
 
 
+def _quiet() -> None:
+    pass
+
+
 def _missing(folder: Path) -> list[Path]:
     """`folder` and its ancestors that do not exist yet, deepest first."""
     missing = []
@@ -161,28 +165,42 @@ class RunFolder:
         self._last_trusted = False
 
     # -- lifetime -------------------------------------------------------------------------------
-    def acquire(self, fresh: bool) -> RunFolder:
-        """Create (or, with fresh=True, empty) the folder and take its lock. Raises RunBusy."""
+    def acquire(self, fresh: bool, wait: Callable[[], None] | None = None) -> RunFolder:
+        """Create (or, with fresh=True, empty) the folder and take its lock. Raises RunBusy, or
+        with `wait` (called once, to say so) waits until the process holding it lets go."""
         if self.read_only:
             raise RuntimeError(f"{self.path}: a read-only view (rank != 0) cannot take the run's lock")
-        self._made = _missing(self.path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            handle = open(self.path / ".lock", "a+")
-        except OSError:
-            self._remove_made()  # a folder that cannot hold a lock file is left as it was found
-            raise
-        try:
-            import fcntl
-
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # Windows: no lock
-            pass
-        except OSError:
-            handle.close()
-            raise RunBusy(
-                f"{self.path}: another process is running this exact config; wait for it or kill it"
-            ) from None
+        while True:
+            self._made = _missing(self.path)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                handle = open(self.path / ".lock", "a+")
+            except OSError:
+                self._remove_made()  # a folder that cannot hold a lock file is left as it was found
+                raise
+            try:
+                import fcntl
+            except ImportError:  # Windows: no lock
+                break
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if wait is None:
+                    handle.close()
+                    raise RunBusy(
+                        f"{self.path}: another process is running this exact config; wait for it or kill it"
+                    ) from None
+            wait()
+            wait = _quiet
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                same = os.fstat(handle.fileno()).st_ino == os.stat(self.path / ".lock").st_ino
+            except OSError:
+                same = False
+            if same:
+                break
+            handle.close()  # the holder removed the folder it had made (release): take the new one
         self._lock_handle = handle
         # A writer killed mid-write (kill -9, the OOM killer) leaves its temp file (atomic_write's
         # cleanup never ran): a whole checkpoint's size per kill, never read. Holding the lock, we

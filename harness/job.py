@@ -178,7 +178,12 @@ def _run(cfg: DictConfig) -> float:
             try:
                 if not spec.cfg.train.resume:
                     replaced = folder.record()
-                folder.acquire(fresh=not spec.cfg.train.resume)
+                # The same multirun started twice: its jobs wait for the process holding them, then
+                # find them finished (a sweep's trial held elsewhere is voided instead: RunBusy).
+                waiting = multirun and not _in_trial()
+                folder.acquire(fresh=not spec.cfg.train.resume,
+                               wait=(lambda: print(f"{folder.path.name}: another process is running this job; "
+                                                   "waiting for it", file=sys.stderr, flush=True)) if waiting else None)
             except RunBusy as error:
                 refusal = error
             except OSError as error:  # a checkpoint_dir that cannot exist or be written
