@@ -456,6 +456,9 @@ def validate(cfg: DictConfig) -> RunSpec:
     t, o, s, m = run.train, run.optim, run.schedule, run.model
 
     check_numbers(run)
+    name = run.tracking.run_name
+    if name is not None and any(not ch.isprintable() for ch in str(name)):  # a newline splits the UI's list and logs
+        _fail(f"tracking.run_name={str(name)!r} holds a newline or another control character; allowed: one line of text")
     if len(o.betas) != 2:
         _fail(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
     if all(getattr(t, k) is None for k in ("tokens", "steps", "flops", "tokens_per_param")):

@@ -103,6 +103,22 @@ def _note_sweep_without_multirun(sweep: str) -> None:
         log.warning(line)
 
 
+def repeated_overrides(overrides: list) -> dict[str, list[str]]:
+    """Keys given more than once on the command line, with their overrides in order (Hydra
+    applies the last, silently)."""
+    by_key: dict[str, list[str]] = {}
+    for line in overrides:
+        by_key.setdefault(override_key(line), []).append(line)
+    return {k: lines for k, lines in by_key.items() if len(lines) > 1}
+
+
+def _note_repeated_overrides(overrides: list) -> None:
+    repeated = repeated_overrides(overrides)
+    if repeated and rank() == 0:
+        said = "; ".join(f"{' then '.join(lines)}: {lines[-1]} applies" for lines in repeated.values())
+        log.warning("a key given more than once: %s", said)
+
+
 def _hydra_mode() -> tuple[bool, str | None, list]:
     """(is multirun, the job's output folder, its overrides); outside Hydra: (False, None, [])."""
     from hydra.core.hydra_config import HydraConfig
@@ -282,6 +298,7 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
         state = distributed.load_everywhere(folder) if folder is not None else None  # every rank loads it
     except CheckpointUnreadable as error:  # before any MLflow run is opened: nothing to end
         return _bad_input(error, multirun, output_dir)
+    _note_repeated_overrides(overrides)  # here, once nothing refuses the job: a refusal stays one line
     label = c.tracking.run_name or run_label(c, overrides)
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
     trainer = None
