@@ -264,10 +264,14 @@ class RunFolder:
         state = dict(state, identity=dict(self.identity, mlflow_run_id=state.get("mlflow_run_id")))
         state["digest"] = digest(state)
         last = self.path / CHECKPOINT
-        if self._last_trusted and last.exists():
-            # a crash between this rename and the write below leaves previous.pt alone: still loadable
-            os.replace(last, self.path / PREVIOUS)
-        atomic_write(last, lambda tmp: _torch_save(state, tmp))
+
+        def write(tmp: Path) -> None:
+            _torch_save(state, tmp)  # a failed write (full disk) leaves last.pt and previous.pt as they were
+            if self._last_trusted and last.exists():
+                # a crash between this rename and the one onto last.pt leaves previous.pt: still loadable
+                os.replace(last, self.path / PREVIOUS)
+
+        atomic_write(last, write)
         self._last_trusted = True
 
     def load(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
