@@ -311,10 +311,16 @@ class RunFolder:
         if digest(state) != state["digest"]:
             return None, "is damaged (its content does not match its sha256 digest)"
         theirs = state.get("identity") or {}
-        ours = dict(self.identity, mlflow_run_id=(self.record() or {}).get("mlflow_run_id"))
-        for key, value in ours.items():
+        for key, value in self.identity.items():
             if value is not None and theirs.get(key) is not None and str(theirs[key]) != str(value):
                 return None, f"belongs to another run ({key} {theirs[key]}, this run's is {value})"
+        # Every MLflow run this folder has trained into: a run resumed into another store opens a
+        # new one, and its checkpoints before the next one still name the first.
+        record = self.record() or {}
+        known = {i for i in [record.get("mlflow_run_id"), *record.get("mlflow_run_ids", [])] if i}
+        if known and theirs.get("mlflow_run_id") and theirs["mlflow_run_id"] not in known:
+            return None, (f"belongs to another run (mlflow_run_id {theirs['mlflow_run_id']}, this run's is "
+                          f"{record.get('mlflow_run_id')})")
         missing = [k for k, v in self.identity.items() if v is not None and theirs.get(k) is None]
         if missing:
             return None, f"does not say which run it belongs to (no {', '.join(missing)})"

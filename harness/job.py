@@ -304,7 +304,10 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
     trainer = None
     try:
         if folder is not None:  # inside the try: a full disk here ends the MLflow run FAILED, saying why
+            known = [i for i in [*(record or {}).get("mlflow_run_ids", []), (record or {}).get("mlflow_run_id"),
+                                 tracker.run_id] if i]
             folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
+                                mlflow_run_ids=sorted(set(known)),
                                 tracking_uri=c.tracking.uri if tracker.enabled else None,
                                 data_sha256=data.fingerprint.get("sha256"), code_files=code_now)
         trainer = stops.attach(Trainer(spec, data, tracker, folder, label=label))

@@ -114,6 +114,16 @@ def test_a_checkpoint_of_another_mlflow_run_is_refused(tmp_path):
     folder.release()
 
 
+def test_a_checkpoint_of_an_earlier_mlflow_run_of_the_same_folder_is_accepted(tmp_path):
+    """Resumed into another store, the run continued in a new MLflow run (r2); until its next
+    checkpoint, last.pt still names the first (r1), which the record lists."""
+    folder = _folder(tmp_path).acquire(fresh=False)
+    folder.save(_state(4))  # mlflow_run_id r1
+    folder.write_record(mlflow_run_id="r2", mlflow_run_ids=["r1", "r2"])
+    assert folder.load()["step"] == 4
+    folder.release()
+
+
 def test_a_checkpoint_without_a_digest_is_not_trusted(tmp_path):
     (tmp_path / "run").mkdir()
     torch.save(_state(4), tmp_path / "run" / "last.pt")
