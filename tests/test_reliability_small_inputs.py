@@ -46,3 +46,15 @@ def test_a_run_name_with_a_control_character_is_refused(name):
     assert "\n" not in str(refused.value)
     OmegaConf.update(cfg, "tracking.run_name", "one line, with spaces")
     validate(cfg)
+
+
+def test_a_sweeps_experiment_keeps_its_artifacts_beside_the_sqlite_store(tmp_path, monkeypatch):
+    """The Optuna sweeper may create the experiment before any job does: its artifacts then go
+    beside the database too, not into the ./mlruns of the folder the sweep was started from."""
+    from hydra_plugins.attnres_optuna_sweeper._tracking import StudyTracker
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "store").mkdir()
+    tracker = StudyTracker(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}", "study", plots=False)
+    location = tracker.client.get_experiment(tracker.experiment_id).artifact_location
+    assert location == (tmp_path / "store" / "mlruns" / "study").as_uri()
