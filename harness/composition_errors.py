@@ -43,6 +43,7 @@ def install() -> None:
             except Exception as error:
                 exit_if_composition_error(error)
                 exit_if_one_line(error)
+                exit_if_output_folder_refused(error)
                 raise
 
         return original(guarded)
@@ -67,6 +68,24 @@ def exit_if_one_line(error: BaseException) -> None:
     if isinstance(code, int) and isinstance(error, CompactHydraException) and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"error: {error}" if code == 2 else str(error), file=sys.stderr, flush=True)  # 2: bad input
         sys.exit(code)
+
+
+def exit_if_output_folder_refused(error: BaseException) -> None:
+    """Hydra makes a job's output folder (hydra.run.dir, hydra.sweep.dir) and writes its config
+    copy there before the job runs: a folder that cannot be made or written is bad input, one line
+    and exit 2, not Hydra's traceback. Only an OSError raised by Hydra's own job setup (run_job),
+    never one from inside the job, which keeps its own handling."""
+    if not isinstance(error, OSError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    in_job = any(f.filename.endswith(("harness/job.py", "run.py")) and f.name in ("main", "run", "_run") for f in frames)
+    if in_job or not any(f.name == "run_job" and "hydra" in f.filename for f in frames):
+        return
+    print(f"error: hydra.run.dir / hydra.sweep.dir: cannot create or write the output folder {error.filename} "
+          f"({error.strerror}); allowed: a writable folder", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def is_composition_error(error: BaseException | None) -> bool:

@@ -64,6 +64,14 @@ class ParallelMode(Enum):
     fsdp = "fsdp"  # parameters, gradients and optimizer state sharded over the processes (FSDP2)
 
 
+class CodeChange(Enum):
+    """What a rerun does with a finished or resumable run whose code changed since (harness/job.py)."""
+
+    ask = "ask"  # refuse in one line naming the changed files (exit 2)
+    keep = "keep"  # accept the recorded result, or resume the run with the code as it is now
+    retrain = "retrain"  # train it again from step 0 into a new MLflow run
+
+
 class DecayShape(Enum):
     linear = "linear"
     cosine = "cosine"
@@ -102,6 +110,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # null = <project root>/checkpoints
     resume: bool = True  # rerunning the same config resumes it (a finished run is not redone)
     retry_failed: bool = False  # rerunning a failed config resumes it from its last good checkpoint
+    code_change: CodeChange = CodeChange.ask  # a finished or resumable run whose code changed since: ask, keep, retrain
     progress: bool = True  # tqdm bar with loss and tokens/s
 
 
@@ -293,13 +302,146 @@ def _reject_added_keys(node: DictConfig, path: str = "") -> None:
             _reject_added_keys(child, f"{path}{key}.")
 
 
-def _positive(section: str, obj: Any, *keys: str, allow_zero: bool = False) -> None:
-    for key in keys:
-        value = getattr(obj, key)
-        if value is None:
-            continue
-        if value < 0 or (value == 0 and not allow_zero):
-            _fail(f"{section}.{key}={value} must be {'>= 0' if allow_zero else 'positive'}")
+# The range of every numeric field of every group, in one place: (low, high, low_open, high_open).
+# validate checks each against it before anything reads the field, so a NaN (which compares false
+# with everything), an infinity or an integer past what torch, numpy or a sampler take is one line,
+# not a traceback, a diverged run or a silently disabled setting (grad_clip=nan clipped nothing).
+# A list (optim.betas, data.hops) has each element checked. A numeric field missing here is still
+# checked for finiteness and for INT_MAX (tests/test_reliability_numeric_config.py requires an entry).
+INT_MAX = 2**63 - 1  # int64: what torch.manual_seed, numpy and every tensor index take
+COUNT = (1, 2**31 - 1, False, False)  # sizes and counts: positive, an int32 (tensor shapes, loop ranges)
+WIDTH = (1, 2**20, False, False)  # a model dimension: beyond it no model can be built or fit anywhere
+INTERVAL = (0, 2**40, False, False)  # steps between periodic work; 0 = only at the end
+POSITIVE = (0.0, math.inf, True, True)  # a finite number > 0
+NON_NEGATIVE = (0.0, math.inf, False, True)  # a finite number >= 0
+FRACTION = (0.0, 1.0, False, True)  # [0, 1)
+SEED = (0, INT_MAX, False, False)
+RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "model.vocab_size": (1, 2**24, False, False),
+    "model.d_model": WIDTH,
+    "model.layers": (1, 4096, False, False),  # blocks; more cannot even be counted on the meta device quickly
+    "model.n_heads": WIDTH,
+    "model.n_kv_heads": WIDTH,
+    "model.d_ff": (1, 2**22, False, False),
+    "model.max_seq_len": (1, 2**24, False, False),
+    "model.rope_theta": POSITIVE,
+    "model.norm_eps": NON_NEGATIVE,
+    "model.init_std": NON_NEGATIVE,
+    "residual.block_size": (1, 8192, False, False),
+    "residual.num_blocks": (1, 8192, False, False),
+    "residual.window": (1, 8192, False, False),
+    "residual.heads": WIDTH,
+    "residual.streams": (1, 1024, False, False),
+    "residual.sinkhorn_iters": (1, 10_000, False, False),
+    "residual.gate_init": (-math.inf, math.inf, True, True),  # any finite number
+    "data.val_fraction": FRACTION,
+    "data.max_bytes": (1, 2**62, False, False),
+    "data.vocab_size": (1, 2**24, False, False),
+    "data.hops": COUNT,
+    "data.n_vars": COUNT,
+    "data.train_examples": COUNT,
+    "data.val_examples": COUNT,
+    "data.seed": SEED,
+    "optim.lr": POSITIVE,
+    "optim.betas": FRACTION,
+    "optim.eps": NON_NEGATIVE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.grad_clip": NON_NEGATIVE,  # 0 disables clipping
+    "optim.momentum": FRACTION,
+    "optim.ns_steps": (1, 1000, False, False),
+    "schedule.warmup_steps": INTERVAL,
+    "schedule.warmup_fraction": FRACTION,
+    "schedule.min_lr_ratio": (0.0, 1.0, False, False),
+    "schedule.decay_fraction": (0.0, 1.0, True, False),
+    "train.tokens": (1, 2**62, False, False),
+    "train.steps": (1, 2**40, False, False),
+    "train.flops": (0.0, 1e30, True, False),
+    "train.tokens_per_param": (0.0, 1e9, True, False),
+    "train.batch_size": COUNT,
+    "train.micro_batch_size": COUNT,
+    "train.seq_len": (1, 2**24, False, False),
+    "train.threads": (1, 4096, False, False),
+    "train.seed": SEED,
+    "train.log_interval": INTERVAL,
+    "train.eval_interval": INTERVAL,
+    "train.eval_batches": COUNT,
+    "train.instrument_interval": INTERVAL,
+    "train.instrument_seqs": COUNT,
+    "train.checkpoint_interval": INTERVAL,
+    "tracking.flush_seconds": (0.0, 86_400.0, False, False),
+    "sweep.arch.params": (0.0, 1e15, True, False),
+    "sweep.arch.d_model_per_layer": (0.0, 2.0**20, True, False),
+    "sweep.arch.heads_per_layer": (0.0, 2.0**16, True, False),
+    "sweep.arch.ffn_ratio": (0.0, 1024.0, True, False),
+    "sweep.arch.multiple": (1, 2**16, False, False),
+}
+
+
+def numeric_fields(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Every numeric field (int or float, not bool; a list of them) of a config dataclass tree, by
+    dotted key, None where unset; what RANGES must cover."""
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            out.update(numeric_fields(value, key + "."))
+        elif _is_number(value) or (isinstance(value, (list, tuple)) and value and all(map(_is_number, value))):
+            out[key] = value
+        elif value is None and _numeric_annotation(f.type):
+            out[key] = None
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numeric_annotation(annotation: Any) -> bool:
+    text = str(annotation)
+    return ("int" in text or "float" in text) and "str" not in text and "dict" not in text.lower()
+
+
+def check_numbers(run: Any) -> None:
+    """Each numeric field finite and within RANGES (an unlisted one: finite, |int| <= INT_MAX)."""
+    for key, value in numeric_fields(run).items():
+        check_value(key, value)
+
+
+def check_value(key: str, value: Any) -> None:
+    """Raise ConfigError (one line) unless `value` (a number, a list of them, or None) lies in
+    RANGES[key]. Also what the ${arch:...} resolver calls before it computes a shape."""
+    if value is None:
+        return
+    low, high, low_open, high_open = RANGES.get(key, (-INT_MAX, INT_MAX, False, False))
+    shown = f"{key}={list(value) if isinstance(value, (list, tuple)) else value}"
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, float) and not math.isfinite(item):
+            _fail(f"{shown} must be a finite number; allowed: {_range_text(low, high, low_open, high_open)}")
+        below = item <= low if low_open else item < low
+        above = item >= high if high_open else item > high
+        if below or above:
+            _fail(f"{shown} is out of range; allowed: {_range_text(low, high, low_open, high_open)}")
+
+
+def _range_text(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    def shown(x: float) -> str:
+        if isinstance(x, int) and x >= 2**20 and x & (x - 1) == 0:
+            return f"2**{x.bit_length() - 1}"
+        if isinstance(x, int) and x == INT_MAX:
+            return "2**63-1"
+        return f"{x:g}" if isinstance(x, float) else str(x)
+
+    if high == math.inf:
+        return f"a finite number {'>' if low_open else '>='} {shown(low)}" if low != -math.inf else "a finite number"
+    return f"{'(' if low_open else '['}{shown(low)}, {shown(high)}{')' if high_open else ']'}"
+
+
+def _check_unread_knobs(residual: ResidualConfig) -> None:
+    for key, value in numeric_fields(residual, "residual.").items():
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(f"{key}={value} must be a finite number")
+        if isinstance(value, int) and abs(value) > INT_MAX:
+            _fail(f"{key}={value} is out of range; allowed: |value| <= 2**63-1")
 
 
 def validate(cfg: DictConfig) -> RunSpec:
@@ -307,25 +449,18 @@ def validate(cfg: DictConfig) -> RunSpec:
     run = to_objects(cfg)
     # Knobs the variant does not read leave the model unchanged, so the run is recorded, keyed and
     # named without them: `-m residual=baseline,block residual.block_size=2,8` trains one baseline.
+    # (NaN, an infinity or an integer past int64 is refused even there: it is never meant.)
+    _check_unread_knobs(run.residual)
     ignored = run.residual.unread_settings()
     run.residual = run.residual.without_unread()
     t, o, s, m = run.train, run.optim, run.schedule, run.model
 
-    _positive("train", t, "tokens", "steps", "flops", "tokens_per_param", "batch_size",
-              "micro_batch_size", "seq_len", "eval_batches", "instrument_seqs", "threads")
-    _positive("train", t, "log_interval", "eval_interval", "instrument_interval",
-              "checkpoint_interval", allow_zero=True)
-    _positive("optim", o, "lr", "ns_steps")
-    _positive("optim", o, "eps", "weight_decay", "grad_clip", allow_zero=True)
-    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+    check_numbers(run)
+    name = run.tracking.run_name
+    if name is not None and any(not ch.isprintable() for ch in str(name)):  # a newline splits the UI's list and logs
+        _fail(f"tracking.run_name={str(name)!r} holds a newline or another control character; allowed: one line of text")
+    if len(o.betas) != 2:
         _fail(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
-    if not 0 <= s.warmup_fraction < 1:
-        _fail(f"schedule.warmup_fraction={s.warmup_fraction} must lie in [0, 1)")
-    if not 0 <= s.min_lr_ratio <= 1:
-        _fail(f"schedule.min_lr_ratio={s.min_lr_ratio} must lie in [0, 1]")
-    if not 0 < s.decay_fraction <= 1:
-        _fail(f"schedule.decay_fraction={s.decay_fraction} must lie in (0, 1]")
-    _positive("schedule", s, "warmup_steps", allow_zero=True)
     if all(getattr(t, k) is None for k in ("tokens", "steps", "flops", "tokens_per_param")):
         _fail("no training budget: set one of train.steps, train.flops, train.tokens_per_param, train.tokens")
 

@@ -8,6 +8,7 @@ check that a continued study keeps its overrides."""
 NOT_IDENTITY = (
     "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
     "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",
+    "train.code_change",
 )
 
 

@@ -39,12 +39,12 @@ from omegaconf import DictConfig, OmegaConf
 from attnres.config import KNOB_READERS, reads
 from harness import distributed, instrument, malloc, memory_budget, provenance, pruning
 from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
-from harness.config import ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
+from harness.config import CodeChange, ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
 from harness.identity import changes_the_run, override_key
 from harness.resolvers import absolute_sqlite
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
-from harness.tracking import MlflowTracker, NullTracker, replay_folder
+from harness.tracking import MlflowTracker, NullTracker, end_replaced_run, replay_folder
 from harness.tracking_store import TrackingUnreachable, check_tracking_uri
 from harness.train import RESUME_HINT, NonFiniteLoss, StopRequested, Trainer
 
@@ -101,6 +101,22 @@ def _note_sweep_without_multirun(sweep: str) -> None:
     line = sweep_needs_multirun(HydraConfig.get(), sweep) if HydraConfig.initialized() else None
     if line and rank() == 0:
         log.warning(line)
+
+
+def repeated_overrides(overrides: list) -> dict[str, list[str]]:
+    """Keys given more than once on the command line, with their overrides in order (Hydra
+    applies the last, silently)."""
+    by_key: dict[str, list[str]] = {}
+    for line in overrides:
+        by_key.setdefault(override_key(line), []).append(line)
+    return {k: lines for k, lines in by_key.items() if len(lines) > 1}
+
+
+def _note_repeated_overrides(overrides: list) -> None:
+    repeated = repeated_overrides(overrides)
+    if repeated and rank() == 0:
+        said = "; ".join(f"{' then '.join(lines)}: {lines[-1]} applies" for lines in repeated.values())
+        log.warning("a key given more than once: %s", said)
 
 
 def _hydra_mode() -> tuple[bool, str | None, list]:
@@ -169,12 +185,21 @@ def _run(cfg: DictConfig) -> float:
 
     plain = to_plain(spec.cfg)
     main = rank() == 0
-    folder = RunFolder(run_folder(plain), read_only=not main)  # under torchrun rank 0 alone writes
+    identity = {"run_key": run_key(plain), "seed": spec.cfg.train.seed, "variant": spec.cfg.residual.name}
+    folder = RunFolder(run_folder(plain), read_only=not main, identity=identity)  # under torchrun rank 0 alone writes
     with distributed.process_group(spec):
         refusal = None
+        replaced = None  # the record of the run a fresh start (train.resume=false) replaces
         if main:
             try:
-                folder.acquire(fresh=not spec.cfg.train.resume)
+                if not spec.cfg.train.resume:
+                    replaced = folder.record()
+                # The same multirun started twice: its jobs wait for the process holding them, then
+                # find them finished (a sweep's trial held elsewhere is voided instead: RunBusy).
+                waiting = multirun and not _in_trial()
+                folder.acquire(fresh=not spec.cfg.train.resume,
+                               wait=(lambda: print(f"{folder.path.name}: another process is running this job; "
+                                                   "waiting for it", file=sys.stderr, flush=True)) if waiting else None)
             except RunBusy as error:
                 refusal = error
             except OSError as error:  # a checkpoint_dir that cannot exist or be written
@@ -184,6 +209,9 @@ def _run(cfg: DictConfig) -> float:
         refusal = distributed.from_main(refusal)  # also keeps the other ranks off the folder until it is ready
         if refusal is not None:
             return _bad_input(refusal, multirun, output_dir)
+        if replaced and replaced.get("mlflow_run_id") and replaced.get("tracking_uri"):
+            end_replaced_run(replaced["tracking_uri"], replaced["mlflow_run_id"],
+                             "replaced: train.resume=false started this config again from step 0")
         try:
             return _run_in_folder(spec, plain, data, folder, multirun, output_dir, overrides)
         finally:
@@ -227,6 +255,25 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
     changed = _data_changed(record, data)
     if changed:
         return _bad_input(DataError(changed), multirun, output_dir)
+    code_now = provenance.run_code_files()
+    edited = _code_changed(record, code_now)
+    if edited and c.train.code_change is CodeChange.ask:
+        return _bad_input(ConfigError(f"{folder.path.name}: {edited}; allowed: train.code_change=keep (its "
+                                      "recorded result, or resume it with the code as it is now) or "
+                                      "train.code_change=retrain (train it again from step 0)"), multirun, output_dir)
+    if edited and c.train.code_change is CodeChange.retrain:
+        if not folder.read_only:
+            print(f"{folder.path.name}: {edited}; train.code_change=retrain: training it again from step 0",
+                  file=sys.stderr, flush=True)
+            if record.get("mlflow_run_id") and record.get("tracking_uri"):
+                end_replaced_run(record["tracking_uri"], record["mlflow_run_id"],
+                                 "replaced: train.code_change=retrain started this config again with changed code")
+            folder.clear()
+        distributed.from_main(None)  # the other ranks read the folder only once it is cleared
+        record = None
+    elif edited and not folder.read_only:
+        log.warning("%s: %s; train.code_change=keep: %s", folder.path.name, edited,
+                    "its recorded result stands" if record.get("status") == "finished" else "resuming with this code")
     if record and record.get("status") == "finished":
         if c.tracking.enabled and record.get("mlflow_run_id") and not folder.read_only:  # metrics its server missed
             replay_folder(c.tracking.uri, record["mlflow_run_id"], folder.path)
@@ -251,14 +298,18 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
         state = distributed.load_everywhere(folder) if folder is not None else None  # every rank loads it
     except CheckpointUnreadable as error:  # before any MLflow run is opened: nothing to end
         return _bad_input(error, multirun, output_dir)
+    _note_repeated_overrides(overrides)  # here, once nothing refuses the job: a refusal stays one line
     label = c.tracking.run_name or run_label(c, overrides)
     tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
     trainer = None
     try:
         if folder is not None:  # inside the try: a full disk here ends the MLflow run FAILED, saying why
+            known = [i for i in [*(record or {}).get("mlflow_run_ids", []), (record or {}).get("mlflow_run_id"),
+                                 tracker.run_id] if i]
             folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
+                                mlflow_run_ids=sorted(set(known)),
                                 tracking_uri=c.tracking.uri if tracker.enabled else None,
-                                data_sha256=data.fingerprint.get("sha256"))
+                                data_sha256=data.fingerprint.get("sha256"), code_files=code_now)
         trainer = stops.attach(Trainer(spec, data, tracker, folder, label=label))
         if state is not None:
             trainer.load_state_dict(state)
@@ -496,6 +547,21 @@ def _data_changed(record: dict | None, data: TokenData) -> str | None:
         return None
     return (f"the data changed since this run started (fingerprint {before[:12]}… → {now[:12]}…); "
             "allowed: the data it started with, or train.resume=false to train it again on this data")
+
+
+def _code_changed(record: dict | None, now: dict[str, str]) -> str | None:
+    """What changed in the run's code (provenance.RUN_CODE) since a finished or resumable run
+    recorded it, or None. A run folder is keyed by the config, not the code: without this a rerun
+    answers "already finished" with the old code's number, or resumes it under new code silently.
+    (Records written before the code was kept are not checked.)"""
+    if not record or not record.get("code_files") or record.get("status") not in ("finished", "running", "interrupted"):
+        return None
+    files = provenance.changed_code_files(record["code_files"], now)
+    if not files:
+        return None
+    shown = ", ".join(files[:6]) + (f" and {len(files) - 6} more" if len(files) > 6 else "")
+    when = "finished" if record["status"] == "finished" else "started"
+    return f"the code changed since this run {when} ({shown})"
 
 
 def _note_layout_change(tracker, spec: RunSpec, step: int) -> None:

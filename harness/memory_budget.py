@@ -25,6 +25,9 @@ A run that runs out of memory anyway (CUDA; a CPU process under a memory limit, 
 ends FAILED as before, and the command says so in one line with half its micro-batch to try
 (`out_of_memory`, `after_out_of_memory`; harness/job.py prints it) instead of a traceback.
 
+The parameters' share is arithmetic on the meta device's count, checked first: a model that
+cannot hold its weights is refused without being built (the probe builds it for real).
+
 Available: MemAvailable + SwapFree (/proc/meminfo), capped by the cgroup's memory.max − memory.current
 where a container sets a limit. Only for a single CPU process in eager mode (compiled graphs may
 keep fewer tensors; under torchrun the ranks share the machine) and on Linux.
@@ -100,8 +103,16 @@ def check_fits(spec: RunSpec) -> None:
     if available is None:
         return
     t = spec.cfg.train
+    fixed = BYTES_PER_PARAMETER * spec.counts["count.params_total"]  # counted on the meta device: nothing allocated
+    if MARGIN * fixed > available:
+        # The probe below builds the model for real: one that cannot even hold its weights would
+        # crash the check itself (model.d_model=100000), so the arithmetic answers first.
+        raise ConfigError(
+            f"model.d_model={spec.cfg.model.d_model}, model.layers={spec.cfg.model.layers}: "
+            f"{spec.counts['count.params_total']:,.0f} parameters need about {fixed / GIB:,.1f} GiB for weights, "
+            f"gradients and optimizer state alone, more than the {available / GIB:.1f} GiB this machine has "
+            "available; allowed: a smaller model")
     per_token = saved_bytes_per_token(spec)
-    fixed = BYTES_PER_PARAMETER * spec.counts["count.params_total"]
 
     def need(micro: int) -> float:
         return per_token * micro * t.seq_len + fixed

@@ -97,6 +97,29 @@ def code_state() -> CodeState:
     return CodeState(commit, diff, untracked, _snapshot(names), digest)
 
 
+# The files that define what a run computes: the model, the data, the loop, the entry point.
+# A finished or resumable run recorded their hashes; a rerun compares (harness/job.py).
+RUN_CODE = ("attnres", "harness", "run.py")
+
+
+def run_code_files() -> dict[str, str]:
+    """sha256 of every source file of RUN_CODE in the working tree, by path (commit and diff in
+    one: what is on disk is what runs). Read each time: a rerun must see an edit made since."""
+    out = {}
+    for top in RUN_CODE:
+        root = PROJECT_ROOT / top
+        paths = [root] if root.is_file() else sorted(root.rglob("*"))
+        for path in paths:
+            if path.is_file() and path.suffix in (".py", ".c", ".h") and "__pycache__" not in path.parts:
+                out[path.relative_to(PROJECT_ROOT).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def changed_code_files(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The files of RUN_CODE added, removed or edited between two run_code_files()."""
+    return sorted(name for name in set(recorded) | set(now) if recorded.get(name) != now.get(name))
+
+
 @functools.lru_cache(maxsize=1)
 def pip_freeze() -> str:
     """`pip freeze`'s name==version lines from importlib.metadata, without a pip subprocess."""

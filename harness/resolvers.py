@@ -42,6 +42,10 @@ def arch_shape(arch: Any) -> dict:
     d_model/L_b is in the logged params). Heads = round(h·L) (at least 1); d_model is rounded to a
     multiple of 2·heads so the head dimension is whole and even (RoPE).
     """
+    from harness.config import check_value  # its ranges; imported here: harness.config imports this module
+
+    for key in ("params", "d_model_per_layer", "heads_per_layer", "ffn_ratio", "multiple"):
+        check_value(f"sweep.arch.{key}", arch[key])  # a NaN or an infinity would crash round() below
     r, h, k, p = (float(arch.d_model_per_layer), float(arch.heads_per_layer), float(arch.ffn_ratio),
                   float(arch.params))
     if min(r, h, k, p) <= 0:

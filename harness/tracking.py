@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -48,6 +49,10 @@ PENDING_ARTIFACTS = "artifacts_pending"
 END_PENDING = "end_pending.json"  # the run's end status, when the server was down at its end
 RETRY_SECONDS = 30.0  # while the server is down, a flush tries it at most this often
 FAILURE_TAGS = ("attnres.failure", "attnres.failure_step")  # set when a run ends other than FINISHED
+# Recomputed steps of a resumed run compared with what was logged before the crash: train/loss
+# (a mean over the log window, checkpointed), equal on CPU; a GPU's reduction order moves it ~1e-6.
+RECOMPUTED_CHECK = ("train/loss",)
+RECOMPUTED_RTOL = 1e-3
 
 
 def param_value(value: Any) -> str:
@@ -89,6 +94,8 @@ class MlflowTracker(NullTracker):
         self._retry_at = 0.0
         if pending_dir is not None and self.has_pending():
             self._replay()  # before the floor: what waited in the files counts as logged
+        self._logged: dict[str, dict[int, float]] = {}
+        self._mismatch_said = False
         self._floor: dict[str, int] = self._logged_steps() if resumed else {}
         self._ended = False
 
@@ -129,9 +136,32 @@ class MlflowTracker(NullTracker):
             raise
 
     def _logged_steps(self) -> dict[str, int]:
-        """Per metric key, the last step already in MLflow (what a resumed run must not repeat)."""
-        keys = self.client.get_run(self.run_id).data.metrics.keys()
-        return {k: max(m.step for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
+        """Per metric key, the last step already in MLflow (what a resumed run must not repeat);
+        the logged values of RECOMPUTED_CHECK kept to compare the recomputed steps with."""
+        floor = {}
+        for key in self.client.get_run(self.run_id).data.metrics.keys():
+            history = self.client.get_metric_history(self.run_id, key)
+            floor[key] = max(m.step for m in history)
+            if key in RECOMPUTED_CHECK:
+                self._logged[key] = {m.step: m.value for m in history}
+        return floor
+
+    def _check_recomputed(self, key: str, value: float, step: int) -> None:
+        """A resumed run recomputes the steps after its checkpoint that were logged before the
+        crash: deterministic data and RNG make them equal up to float noise. A larger gap means
+        the resumed state is not the state that logged them (a wrong or damaged checkpoint, or a
+        changed code path): said once, and tagged on the run."""
+        logged = self._logged.get(key, {}).get(step)
+        if logged is None or self._mismatch_said or not math.isfinite(logged):
+            return
+        if abs(value - logged) <= RECOMPUTED_RTOL * max(1.0, abs(logged)):
+            return
+        self._mismatch_said = True
+        message = (f"{key} at step {step}: logged {logged:.6g} before the resume, recomputed {value:.6g} "
+                   f"(beyond the relative tolerance {RECOMPUTED_RTOL:g})")
+        log.warning("the resumed run does not recompute what it logged: %s; the checkpoint or the code "
+                    "is not what produced those steps", message)
+        self.set_tags({"attnres.resume_mismatch": message})
 
     # -- params, tags, metrics ------------------------------------------------------------------
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -171,6 +201,7 @@ class MlflowTracker(NullTracker):
         now = int(time.time() * 1000)
         for key, value in metrics.items():
             if step <= self._floor.get(key, -1):
+                self._check_recomputed(key, float(value), int(step))
                 continue  # already in MLflow from before the resume
             self._buffer.append(Metric(key, float(value), now, int(step)))
         if len(self._buffer) >= MAX_BATCH or time.monotonic() - self._last_flush >= self.flush_seconds:
@@ -380,3 +411,18 @@ def _run_exists(client, run_id: str) -> bool:
     except MlflowException:
         return False
     return run.info.lifecycle_stage == "active"
+
+
+def end_replaced_run(uri: str, run_id: str, reason: str) -> None:
+    """End the MLflow run of a folder started again from step 0 (train.resume=false) KILLED, with
+    the reason, if it is still RUNNING: one config, one live run. A store that cannot be reached
+    is a warning: the new run does not wait for the old one's bookkeeping."""
+    try:
+        client = client_for(uri)
+        if not _run_exists(client, run_id) or client.get_run(run_id).info.status != "RUNNING":
+            return
+        client.set_tag(run_id, "attnres.failure", reason)
+        client.set_tag(run_id, "attnres.status", "KILLED")
+        client.set_terminated(run_id, status="KILLED")
+    except Exception as error:  # noqa: BLE001 - the old run's end is bookkeeping; the new run goes on
+        log.warning("MLflow run %s (replaced) not ended: %s", run_id, " ".join(str(error).split())[:300])

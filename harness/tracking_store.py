@@ -60,7 +60,31 @@ def check_tracking_uri(uri: str) -> None:
         except OSError as error:
             raise TrackingUnreachable(f"tracking.uri={uri}: cannot create the folder {db.parent} "
                                       f"({error.strerror}); allowed: a sqlite:/// path in a writable folder") from None
+        refused = _unwritable(db)
+        if refused is not None:
+            raise TrackingUnreachable(f"tracking.uri={uri}: {refused.filename} cannot be written ({refused.strerror}); "
+                                      "allowed: a sqlite:/// path in a writable folder") from None
     check_reachable(uri)
+
+
+def _unwritable(db: Path) -> OSError | None:
+    """Whether SQLite could write `db`: the file itself, and its folder (its journal goes there),
+    tried for real (no permission bit tells it for root or a read-only mount). MLflow's own error
+    is about 200 lines of retries and a SQLAlchemy traceback."""
+    import tempfile
+
+    try:
+        if db.exists():
+            with open(db, "r+b"):
+                pass
+        handle, probe = tempfile.mkstemp(prefix=".attnres-probe-", dir=db.parent)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        if error.filename is None:
+            error.filename = str(db.parent)
+        return error
+    return None
 
 
 def _not_sqlite(db: Path) -> bool:

@@ -22,8 +22,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p study
 export MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/study/mlflow.db}"
+# train.code_change=keep: a study continued after the code changed keeps its finished runs' results
+# and resumes the interrupted ones (the default refuses them in one line naming the changed files).
 common=(train.threads=1 train.progress=false train.checkpoint_dir="$PWD/study/checkpoints"
-        hydra.sweep.dir="study/multirun/\${sweep.name}")
+        train.code_change=keep hydra.sweep.dir="study/multirun/\${sweep.name}")
 recipe=(model.layers=16 train.tokens=1000000)  # sweeps/study_cpu.yaml, for sweeps with their own file
 status=0
 

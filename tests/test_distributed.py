@@ -250,7 +250,7 @@ def test_two_ranks_compute_what_one_process_computes_and_only_rank_0_writes(tmp_
     (folder,) = [p.parent for p in (two / "ckpt").rglob("run.json")]  # one run folder, rank 0's
     record = json.loads((folder / "run.json").read_text())
     assert record["status"] == "finished" and record["mlflow_run_id"] == run.info.run_id
-    assert sorted(p.name for p in folder.iterdir()) == [".lock", "last.pt", "run.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "last.pt", "previous.pt", "run.json"]
     assert torch.load(folder / "last.pt", weights_only=True)["step"] == STEPS
 
     (output,) = [p for p in (two / "outputs").glob("*/*/*")]  # one Hydra folder for both ranks

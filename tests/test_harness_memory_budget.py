@@ -170,3 +170,16 @@ def test_a_real_allocation_failure_under_a_process_memory_limit_is_one_line(tmp_
     assert "allowed: train.micro_batch_size=8192 (the batch stays 16384 sequences" in line
     (run,) = runs(tmp_path)
     assert run.info.status == "FAILED"
+
+
+def test_a_model_too_large_for_its_weights_is_refused_without_being_built(tmp_path, monkeypatch, capsys):
+    """model.d_model=100000: the parameters alone exceed any CPU's memory. The check answers from
+    the meta device's count, not by building the model (which crashed the check itself)."""
+    monkeypatch.setattr(memory_budget, "saved_bytes_per_token", lambda spec: pytest.fail("the model was built"))
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda: 64 << 30)
+    with pytest.raises(SystemExit) as exit_:
+        job.run(compose([*TINY, "model.d_model=100000", *isolated(tmp_path)]))
+    assert exit_.value.code == 2
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert "model.d_model=100000" in line and "allowed: a smaller model" in line
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "ckpt").exists()

@@ -95,6 +95,9 @@ def load_corpus(
     `spans[split]` lists [relative path, start, end] of each file's tokens in that split, so later
     checks can name the file a bad token came from.
     """
+    if not files and root.is_file():  # os.walk of a file finds nothing: say what it is, not "empty"
+        raise DataError(f"data.path={root}: is a file, and data.name={source} reads a folder; allowed: "
+                        "a folder, or data.name=text for a single file")
     if not files:
         what = ".py files" if source == "stdlib" else "files"
         raise DataError(f"{root}: empty corpus, no {what} found (data.name={source})")

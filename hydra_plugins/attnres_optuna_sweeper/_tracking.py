@@ -22,7 +22,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
-from harness.tracking_store import mark_model_training
+from harness.tracking_store import experiment_id
 
 from ._ledger import FAILURE_ATTR, Ledger, is_genuine_failure
 from ._storage import absolute_sqlite, sqlite_init_lock
@@ -96,23 +96,14 @@ def end_leftover_runs(status: str) -> None:
 class StudyTracker:
     def __init__(self, tracking_uri: str, experiment: str, plots: bool) -> None:
         from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
 
         self.tracking_uri = tracking_uri
         self.plots = plots
         with sqlite_init_lock(tracking_uri):
             self.client = MlflowClient(tracking_uri)
-            found = self.client.get_experiment_by_name(experiment)
-            if found is None:
-                try:
-                    self.experiment_id = self.client.create_experiment(experiment)
-                except MlflowException:  # another worker created it a moment ago
-                    self.experiment_id = self.client.get_experiment_by_name(
-                        experiment
-                    ).experiment_id
-            else:
-                self.experiment_id = found.experiment_id
-        mark_model_training(self.client, self.experiment_id)  # RUN_SCHEMA: the UI's model-training view
+            # created as the jobs create it: on SQLite its artifacts beside the database, not in the
+            # ./mlruns of whatever folder the sweep was started from; tagged for the UI's model view
+            self.experiment_id = experiment_id(self.client, experiment, tracking_uri)
 
     # -- parent run ---------------------------------------------------------------------------
 
