@@ -40,7 +40,7 @@ def _source(p: argparse.ArgumentParser, snapshot: bool):
 
 def _default_tracking_uri() -> str:
     """The store run.py writes to, as the README's environment table promises for analysis too:
-    $MLFLOW_TRACKING_URI, else <project root>/mlflow.db. harness.resolvers.default_tracking_uri
+    $MLFLOW_TRACKING_URI, else <project root>/mlflow.db. harness.config.default_tracking_uri
     holds the rule, but analysis imports no harness code (it runs where only a snapshot exists),
     so this is its copy; tests/test_analysis_report.py checks that the two agree."""
     return (os.environ.get("MLFLOW_TRACKING_URI")

@@ -241,7 +241,7 @@ def main(argv=None) -> dict:
     blocks = preset["blocks"] if args.blocks is None else args.blocks
     if blocks is not None and blocks < 1:
         ap.error(f"--blocks {blocks}: the number of blocks must be at least 1")
-    # S as the sweeps' ${blocks:N} computes it (harness.resolvers.block_size_of), written out here:
+    # S as the sweeps' ${blocks:N} computes it (harness.config.block_size_of), written out here:
     # the harness's resolvers need OmegaConf, which a GPU machine's image may lack.
     block_size = None if blocks is None else max(1, round(2 * cfg.layers / blocks))
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]

@@ -132,7 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for key, value in sorted(metrics.items()):
         print(f"eval/{key} {value:.6g}")
     if args.output:
-        from harness.atomic_write import atomic_write
+        from harness.checkpoint import atomic_write
 
         out, text = Path(args.output), json.dumps({"metrics": metrics, **artifacts}, indent=2, default=str)
         try:

@@ -231,7 +231,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     html = page(source.model, prompts, tokenizer, name, source.run_id)
     out = Path(args.out)
     try:
-        from harness.atomic_write import atomic_write
+        from harness.checkpoint import atomic_write
 
         out.parent.mkdir(parents=True, exist_ok=True)
         # Through a temporary file: a full disk mid-write left a truncated page that opens blank.

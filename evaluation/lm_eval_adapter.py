@@ -80,7 +80,7 @@ class AttnResLM(TemplateLM):
                 model = model.to(device)
         else:
             from attnres.io import load
-            from harness.resolvers import default_tracking_uri
+            from harness.config import default_tracking_uri
 
             # A run id is read from run.py's store wherever lm_eval starts (not ./mlflow.db).
             model, config = load(str(pretrained), device=device, tracking_uri=tracking_uri or default_tracking_uri())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from attnres.io import CheckpointError, load, parse_run_reference
-from harness.resolvers import absolute_sqlite, default_tracking_uri
+from harness.config import absolute_sqlite, default_tracking_uri
 
 
 @dataclass
@@ -34,7 +34,7 @@ def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_t
         raise CheckpointError(f"--log-to {log_to!r}: not an MLflow run id (32 hex characters)")
     run = None if Path(arg).expanduser().exists() else parse_run_reference(arg)
     if run or log_to:
-        from harness.tracking_store import prepare_server, sqlite_path
+        from harness.tracking import prepare_server, sqlite_path
 
         db = sqlite_path(tracking_uri)
         if db is not None and not db.exists():  # MLflow would leave an empty database behind

@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from harness.checkpoint import creatable
 from harness.config import ConfigError, rank, validate
 from harness.job import PARENT_ENV
-from harness.resolvers import PROJECT_ROOT
+from harness.config import PROJECT_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class MLflowMultirunCallback(Callback):
         base = _without_hydra(config)
         if not base.tracking.enabled or rank() != 0:
             return
-        from harness.tracking_store import TrackingUnreachable, check_tracking_uri, client_for, experiment_id
+        from harness.tracking import TrackingUnreachable, check_tracking_uri, client_for, experiment_id
 
         uri = base.tracking.uri
         try:

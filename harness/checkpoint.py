@@ -1,34 +1,8 @@
-"""A run's folder under the checkpoint root: its identity, its lock, its checkpoint and its record.
-
-Design decisions:
-- **Identity = the effective config.** The folder is
-  `<train.checkpoint_dir>/<sweep.name>/<variant>-<model>-s<seed>-<hash>`, the hash taken over
-  the effective config minus the keys that cannot change what a run computes (where it logs,
-  whether a bar is drawn, how often it checkpoints). Rerunning an interrupted command therefore
-  finds its own folder whatever Hydra's (timestamped) output folder is, and a changed learning
-  rate is a different run, never a resumed one.
-- **Atomic writes**: a checkpoint is written to a temporary file in the same folder, flushed to
-  disk, then renamed over `last.pt` (rename is atomic on POSIX and Windows). A crash or a full
-  disk during the write leaves the previous checkpoint intact and loadable.
-- **A checkpoint proves what it is**: it carries a sha256 digest of its own content (every tensor's
-  bytes, every number) and the run's identity (run key, seed, variant, MLflow run id); loading
-  recomputes the one and compares the other with this folder's. Two are kept: `last.pt` and the
-  one before it, `previous.pt`. A damaged or foreign `last.pt` falls back to `previous.pt` (one
-  warning); when neither can be trusted the run is refused in one line (exit 2) and nothing is
-  trained on it. A checkpoint without a digest (or another run's) is never trusted.
-- **`run.json`** records the MLflow run id (so a resumed run continues the *same* MLflow run, even
-  when it was killed before its first checkpoint), the status, and once finished the final
-  metrics: rerunning a finished config returns its result without training again.
-- **One process per run folder**: an exclusive lock (fcntl) on `<folder>/.lock`, so two jobs with
-  the same config (a duplicated multirun, a user who started the command twice) cannot write the
-  same checkpoint; the second stops with one line. The lock dies with its process (kill -9 too).
-- Nothing is created before the config and the data have been checked (the job calls `open`
-  only after validation), so a bad command leaves no folder behind.
-- **One writer under torchrun**: rank 0 holds the lock and writes; every other rank gets a
-  read-only view of the same folder (it reads the checkpoint to resume, its writes are no-ops),
-  so "only rank 0 writes" holds wherever the job or the loop would write. How many processes
-  train (train.distributed, WORLD_SIZE) is not part of the identity: a run started on 8 GPUs
-  resumes on 4, or on one.
+"""A run's folder under the checkpoint root: its identity (the effective config's hash, so a rerun
+finds its folder and a changed config is a new run), its lock (one process per folder; rank 0 alone
+writes under torchrun), its checkpoints (written whole or not at all, each carrying a digest of its
+content and the run's identity, `last.pt` with `previous.pt` to fall back on) and `run.json` (the
+MLflow run id, the status, the final metrics). docs/HARNESS.md, "Resume", says how they are used.
 """
 from __future__ import annotations
 
@@ -43,11 +17,37 @@ from typing import Any, Callable
 
 import torch
 
-from harness.atomic_write import atomic_write
 from harness.config import flatten
-from harness.identity import NOT_IDENTITY
+from harness.config import NOT_IDENTITY
 from harness.pruning import TrialNotRun
-from harness.resolvers import PROJECT_ROOT
+from harness.config import PROJECT_ROOT
+
+
+# --- Replace a file all at once: readers see the old file or the new one, never half of one
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # Windows cannot open folders; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """Call write(tmp_path), fsync it, rename it onto `path`; on any error remove the temp file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
 
 log = logging.getLogger(__name__)
 

@@ -1,27 +1,15 @@
-"""The typed configuration of a run, registered with Hydra, and its validation.
-
-Design decisions:
-- Every group of `conf/` has a typed schema: attnres.ModelConfig / ResidualConfig and
-  harness.data.DataConfig are reused unchanged; train/optim/schedule/tracking/sweep are the
-  dataclasses below. The root `RunConfig` is stored in Hydra's ConfigStore as `run_schema` and is
-  the first entry of conf/config.yaml's defaults, so a misspelt key or a wrong type fails while
-  Hydra composes, before any code of ours runs.
-- Choices with a closed set of values are Enums (OmegaConf then names the allowed values in its
-  error); open strings (device "cuda:1") are checked in `validate`.
-- `validate` turns the composed DictConfig into dataclass objects (running the core's own
-  __post_init__ checks), builds the model on the meta device (no memory, no time) to run the
-  residual's shape checks (block sizes, heads), and derives what the run needs (steps, gradient
-  accumulation, device, precision). Every failure is one `ConfigError` line naming the key, the
-  value and what is allowed. Nothing is written before it passes.
-- The token budget has four spellings with a fixed priority: train.steps > train.flops >
-  train.tokens_per_param > train.tokens. The scaling and arch sweeps use the middle two; the
-  budget in tokens is then derived from the model's own accounting (count.*).
+"""The typed configuration of a run: its schemas registered with Hydra, the resolvers the configs
+use, which keys make a run what it is, and `validate` (one `ConfigError` line per bad value,
+before anything is written). The token budget's four spellings, in priority: train.steps >
+train.flops > train.tokens_per_param > train.tokens.
 """
 from __future__ import annotations
 
 import math
 import os
 import re
+from datetime import datetime
+from pathlib import Path
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
@@ -32,8 +20,125 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig
+from attnres.io import absolute_sqlite, default_tracking_uri  # one rule for run.py, evaluation and load()
 from harness.composition_errors import unknown_key
 from harness.data import DataConfig
+
+
+# --- Values computed while Hydra composes: `${attnres.tracking_uri:}`, `${arch:}`, `${cell:}`, `${blocks:}`, `${attnres.now:}`
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def arch_shape(arch: Any) -> dict:
+    """d_model, layers, n_heads, d_ff of a dense model with ≈ `params` non-embedding parameters.
+
+    A block of width d holds 4d² attention weights (q, k, v, o with n_kv_heads = n_heads) and
+    3·d·d_ff SwiGLU weights, so params ≈ L·d²·(4 + 3k) with k = d_ff/d. With d = r·L (r =
+    d_model/L_b) that gives L = (params / (r²(4 + 3k)))^(1/3), rounded to a whole number of blocks
+    (at least 1). The parameter budget is the hard constraint (paper Fig. 7 holds it fixed), so d is
+    then solved from it for that L, d = √(params / (L(4 + 3k))), rather than taken as r·L: with few
+    blocks the rounding of L would otherwise miss the budget by up to 2× (the realised ratio
+    d_model/L_b is in the logged params). Heads = round(h·L) (at least 1); d_model is rounded to a
+    multiple of 2·heads so the head dimension is whole and even (RoPE).
+    """
+    from harness.config import check_value  # its ranges; imported here: harness.config imports this module
+
+    for key in ("params", "d_model_per_layer", "heads_per_layer", "ffn_ratio", "multiple"):
+        check_value(f"sweep.arch.{key}", arch[key])  # a NaN or an infinity would crash round() below
+    r, h, k, p = (float(arch.d_model_per_layer), float(arch.heads_per_layer), float(arch.ffn_ratio),
+                  float(arch.params))
+    if min(r, h, k, p) <= 0:
+        raise ValueError(f"sweep.arch values must be positive, got {OmegaConf.to_container(arch)}")
+    layers = max(1, round((p / (r * r * (4 + 3 * k))) ** (1 / 3)))
+    heads = max(1, round(h * layers))
+    step = 2 * heads
+    d_model = max(step, step * round((p / (layers * (4 + 3 * k))) ** 0.5 / step))
+    multiple = max(1, int(arch.multiple))
+    d_ff = max(multiple, multiple * round(k * d_model / multiple))
+    name = f"arch_p{p:.3g}_r{r:g}_h{h:g}".replace("+", "")
+    return {"d_model": d_model, "layers": layers, "n_heads": heads, "d_ff": d_ff, "name": name}
+
+
+def _arch(key: str, *, _root_: DictConfig) -> Any:
+    arch = OmegaConf.select(_root_, "sweep.arch")
+    if arch is None:
+        raise ValueError(f"${{arch:{key}}} needs sweep.arch (set by the arch and scaling sweeps)")
+    shape = arch_shape(arch)
+    if key not in shape:
+        raise ValueError(f"${{arch:{key}}}: unknown key; allowed: {', '.join(shape)}")
+    return shape[key]
+
+
+def _cell(key: str, *, _root_: DictConfig) -> Any:
+    cell, cells = OmegaConf.select(_root_, "sweep.cell"), OmegaConf.select(_root_, "sweep.cells")
+    if cell is None or cells is None or cell not in cells:
+        allowed = ", ".join(cells.keys()) if cells else "(none defined)"
+        raise ValueError(f"sweep.cell={cell!r} is not a cell of this sweep; allowed: {allowed}")
+    if key not in cells[cell]:
+        raise ValueError(f"sweep.cells.{cell} does not set {key}")
+    return cells[cell][key]
+
+
+def block_size_for(blocks: Any, *, _root_: DictConfig) -> int:
+    """`${blocks:N}`: the block size S that splits the model's L = 2·model.layers sublayers into
+    about N blocks, S = max(1, round(L / N)); the last block takes any remainder (paper). The paper
+    fixes N ≈ 8 as it scales depth, where a fixed S would let the block count grow with the model."""
+    layers, n = OmegaConf.select(_root_, "model.layers"), int(blocks)
+    if layers is None or n < 1:
+        raise ValueError(f"${{blocks:{blocks}}} needs model.layers and a positive number of blocks")
+    return block_size_of(int(layers), n)
+
+
+def block_size_of(layers: int, blocks: int) -> int:
+    """S for about `blocks` blocks over the 2·layers sublayers of `layers` Transformer blocks."""
+    return max(1, round(2 * layers / blocks))
+
+
+def launch_now(pattern: str) -> str:
+    agreed = os.environ.get("ATTNRES_LAUNCH_TIME")  # harness.launch.LAUNCH_TIME_ENV
+    return (datetime.fromtimestamp(float(agreed)) if agreed else datetime.now()).strftime(pattern)
+
+
+def register_resolvers() -> None:
+    """The OmegaConf resolvers the configs use (idempotent)."""
+    if not OmegaConf.has_resolver("attnres.now"):
+        OmegaConf.register_new_resolver("attnres.now", launch_now, use_cache=True)  # cached as Hydra's now
+    for name, fn in (
+        ("attnres.tracking_uri", lambda: default_tracking_uri()),
+        ("arch", _arch),
+        ("cell", _cell),
+        ("blocks", block_size_for),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+# --- Which config keys make a run what it is
+# Keys that do not change what a run computes (prefixes of flattened keys): a run's folder
+# (harness.checkpoint.run_key) and an Optuna study's fixed overrides ignore them.
+NOT_IDENTITY = (
+    "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
+    "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",
+    "train.code_change",
+)
+
+
+def override_key(line: str) -> str:
+    """The key of a Hydra override line (`key=value`, `+key=value`, `++key=value`, `~key`)."""
+    return line.lstrip("+~").split("=", 1)[0]
+
+
+# A config group whose keys are all outside the identity (`tracking=off`) is outside it too, so it
+# neither renames runs nor stops an Optuna study from being continued.
+GROUPS_NOT_IDENTITY = tuple(p[:-1] for p in NOT_IDENTITY if p.endswith("."))
+
+
+def changes_the_run(line: str) -> bool:
+    """Whether a command-line override can change what a run computes: neither Hydra's own
+    (`hydra.*`, `hydra/...`) nor one of the NOT_IDENTITY keys or groups."""
+    key = override_key(line)
+    return not (key in ("hydra", *GROUPS_NOT_IDENTITY)
+                or key.startswith(("hydra.", "hydra/", *NOT_IDENTITY)))
 
 
 class ConfigError(ValueError):
@@ -140,7 +245,7 @@ class ScheduleConfig:
 @dataclass
 class TrackingConfig:
     enabled: bool = True
-    # default: $MLFLOW_TRACKING_URI, else sqlite:///<project root>/mlflow.db (harness/resolvers.py)
+    # default: $MLFLOW_TRACKING_URI, else sqlite:///<project root>/mlflow.db (harness/config.py)
     uri: str = "${attnres.tracking_uri:}"
     experiment: str | None = None  # null = sweep.name
     run_name: str | None = None  # null = <variant>-<model>-s<seed> and the job's other overrides (job.run_label)
@@ -158,7 +263,7 @@ class TrackingConfig:
 class ArchConfig:
     """A model shape generated from a parameter budget and two aspect ratios (paper Fig. 7).
 
-    Read by the `${arch:...}` resolver of harness/resolvers.py; null when a run uses a preset."""
+    Read by the `${arch:...}` resolver of harness/config.py; null when a run uses a preset."""
 
     params: float = 1e6  # non-embedding parameter budget
     d_model_per_layer: float = 45.0  # d_model / L_b
@@ -191,9 +296,9 @@ class RunConfig:
 
 def register() -> None:
     """Store the root schema (conf/config.yaml's first default) and the sweeps in the ConfigStore."""
-    from harness import resolvers, sweeps
+    from harness import sweeps
 
-    resolvers.register()
+    register_resolvers()
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
     sweeps.register()
 
@@ -232,7 +337,7 @@ def _fail(msg: str) -> None:
 
 def _one_line(error: Exception) -> str:
     """OmegaConf errors span lines (key, type, full_key); keep them on one. A resolver's own error
-    (harness/resolvers.py raises one line naming the key and what is allowed) without OmegaConf's
+    (harness/config.py raises one line naming the key and what is allowed) without OmegaConf's
     wrapping around it ("ValueError raised while resolving interpolation: ... full_key: ...")."""
     text = str(error)
     if isinstance(error, InterpolationResolutionError):

@@ -319,7 +319,7 @@ def recorded_flops_per_s(run_id: str, tracking_uri: str | None) -> float:
     count.flops_per_token."""
     import statistics
 
-    from harness.resolvers import absolute_sqlite, default_tracking_uri
+    from harness.config import absolute_sqlite, default_tracking_uri
 
     uri = absolute_sqlite(tracking_uri) if tracking_uri else default_tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():

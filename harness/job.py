@@ -41,11 +41,11 @@ from harness import distributed, instrument, malloc, memory_budget, provenance, 
 from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
 from harness.config import CodeChange, ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
-from harness.identity import changes_the_run, override_key
-from harness.resolvers import absolute_sqlite
+from harness.config import changes_the_run, override_key
+from harness.config import absolute_sqlite
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
 from harness.tracking import MlflowTracker, NullTracker, end_replaced_run, replay_folder
-from harness.tracking_store import TrackingUnreachable, check_tracking_uri
+from harness.tracking import TrackingUnreachable, check_tracking_uri
 from harness.train import RESUME_HINT, NonFiniteLoss, StopRequested, Trainer
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.resolvers import PROJECT_ROOT
+from harness.config import PROJECT_ROOT
 
 SNAPSHOT_SUFFIXES = (".py", ".yaml", ".yml", ".toml", ".md", ".cfg", ".txt", ".c", ".h", ".sh")  # .c/.h: the CPU kernels
 SNAPSHOT_MAX_FILE = 1_000_000  # bytes: data files that happen to be .txt are not code

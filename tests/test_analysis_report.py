@@ -490,7 +490,7 @@ def test_without_a_source_option_the_store_run_py_writes_to_is_read(tiny_db, tmp
                    "--tracking-uri URI, $MLFLOW_TRACKING_URI or --snapshot CSV)"], err
     assert not missing.exists() and not (tmp_path / "r" / "REPORT.md").exists()
     from analysis.__main__ import _default_tracking_uri
-    from harness.resolvers import default_tracking_uri
+    from harness.config import default_tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert _default_tracking_uri() == default_tracking_uri()  # analysis's copy of run.py's rule

@@ -349,7 +349,7 @@ def test_model_bench_stopped_in_its_memory_pass_still_reports_the_rounds(tmp_pat
 def test_the_gpu_benchmarks_run_without_the_harness_config_stack(tmp_path):
     """A lent GPU machine's image has torch and Triton but no Hydra, OmegaConf, MLflow or Optuna,
     and nothing can be installed there: the scripts run_gpu.sh calls must import without them
-    (model_bench took the block size for N blocks from harness.resolvers, which needs OmegaConf).
+    (model_bench took the block size for N blocks from harness.config, which needs OmegaConf).
     Here they are made unimportable; model_bench runs a toy model with --blocks."""
     import subprocess
 
@@ -365,7 +365,7 @@ def test_the_gpu_benchmarks_run_without_the_harness_config_stack(tmp_path):
         r = subprocess.run([sys.executable, "-c", run, *argv], capture_output=True, text=True, timeout=300,
                            cwd=tmp_path)
         assert r.returncode == 0, f"{argv[0]}: {r.stderr[-2000:]}"
-    from harness.resolvers import block_size_of
+    from harness.config import block_size_of
 
     assert json.loads((tmp_path / "m.json").read_text())["block_size"] == block_size_of(2, 2) == 2
 

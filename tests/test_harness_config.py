@@ -168,7 +168,7 @@ def test_block_size_sweep_cells_map_onto_the_residual():
 
 
 def test_blocks_resolver_by_hand():
-    from harness.resolvers import block_size_for
+    from harness.config import block_size_for
 
     assert [block_size_for(8, _root_=OmegaConf.create({"model": {"layers": b}})) for b in (2, 12, 13, 16, 20)] == [1, 3, 3, 4, 5]
 

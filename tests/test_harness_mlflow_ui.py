@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from harness.tracking_store import client_for, experiment_id, runs_table_link
+from harness.tracking import client_for, experiment_id, runs_table_link
 from test_eval_explorer import CHROMIUM, needs_chromium
 from test_reliability_tracking_server import _Server
 

@@ -289,7 +289,7 @@ def test_a_pruned_trial_ends_killed_with_the_pruned_tags(tmp_path):
 
 def test_parent_run_id_makes_the_run_a_child_of_that_parent(tmp_path):
     c = client(tmp_path)
-    from harness.tracking_store import client_for, experiment_id
+    from harness.tracking import client_for, experiment_id
 
     exp = experiment_id(client_for(f"sqlite:///{tmp_path / 'mlflow.db'}"), "default", f"sqlite:///{tmp_path / 'mlflow.db'}")
     parent = c.create_run(exp, tags={"attnres.role": "study"}).info.run_id
@@ -307,7 +307,7 @@ def test_sqlite_stores_are_created_under_the_lock_of_their_folder(tmp_path, monk
     import fcntl
     import tempfile
 
-    from harness.tracking_store import client_for, store_lock
+    from harness.tracking import client_for, store_lock
     from hydra_plugins.attnres_optuna_sweeper._storage import sqlite_init_lock
 
     temp = tmp_path / "tmp"
@@ -343,7 +343,7 @@ def test_a_model_training_tag_set_by_another_process_in_between_is_not_an_error(
     there, so nothing is raised. A set that fails with the tag absent still raises."""
     from mlflow.exceptions import MlflowException
 
-    from harness.tracking_store import EXPERIMENT_KIND, client_for, mark_model_training
+    from harness.tracking import EXPERIMENT_KIND, client_for, mark_model_training
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     ours, other = client_for(uri), client_for(uri)
@@ -445,7 +445,7 @@ def test_the_tracking_group_is_outside_a_runs_identity_as_its_keys_are():
     (config hash) already ignored it."""
     from types import SimpleNamespace
 
-    from harness.identity import changes_the_run
+    from harness.config import changes_the_run
     from harness.job import run_label
 
     assert not changes_the_run("tracking=off") and not changes_the_run("tracking.uri=sqlite:///m.db")
@@ -517,7 +517,7 @@ def test_the_sqlite_side_files_of_the_default_stores_are_not_untracked_code():
     trial's code/untracked.txt (only mlflow.db-* was ignored)."""
     import subprocess
 
-    from harness.resolvers import PROJECT_ROOT
+    from harness.config import PROJECT_ROOT
 
     names = ["mlflow.db-wal", "optuna.db-wal", "optuna.db-shm", "optuna.db-journal"]
     try:

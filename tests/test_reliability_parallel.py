@@ -1,5 +1,5 @@
 """Four jobs started at the same moment on a tracking database that does not exist yet: the
-store is created once (under harness.tracking_store's file lock) and all four runs complete."""
+store is created once (under harness.tracking's file lock) and all four runs complete."""
 import os
 import subprocess
 import sys

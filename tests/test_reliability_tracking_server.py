@@ -48,7 +48,7 @@ def test_a_database_store_that_cannot_be_used_is_one_line_within_seconds(scheme)
     """tracking.uri naming a database directly: MLflow's store would retry for ~100 s and end in a
     traceback. Nothing listens on the port (or the driver is unknown): one line, the password not
     in it (the same check runs for run.py, a multirun's callback and the evaluation commands)."""
-    from harness.tracking_store import TrackingUnreachable, check_tracking_uri
+    from harness.tracking import TrackingUnreachable, check_tracking_uri
 
     uri = f"{scheme}://attnres:s3cret@127.0.0.1:{_free_port()}/runs"
     started = time.monotonic()

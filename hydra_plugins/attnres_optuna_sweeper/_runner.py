@@ -26,10 +26,10 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
 from harness import pruning
-from harness.identity import changes_the_run
+from harness.config import changes_the_run
 # A stopped sweep exits as a stopped training run does: 130 (Ctrl-C), 75 (SIGTERM: requeue me).
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, on_sigterm
-from harness.tracking_store import redact
+from harness.tracking import redact
 
 from . import _summary
 from ._ledger import FAILURE_ATTR, VOID_ATTR, Ledger, failure_budget, is_genuine_failure, rank
@@ -51,7 +51,7 @@ _FIXED_ATTR = "attnres.fixed_overrides"
 
 
 def _identity(fixed) -> list[str]:
-    """The fixed overrides that change what a trial computes (harness.identity.changes_the_run:
+    """The fixed overrides that change what a trial computes (harness.config.changes_the_run:
     not tracking, progress, checkpoint folders, threads, ...)."""
     return [line for line in fixed if changes_the_run(line)]
 

@@ -29,7 +29,7 @@ from sqlalchemy.exc import (
     ProgrammingError,
 )
 
-from harness.tracking_store import folder_lock, redact  # the lock MLflow stores take; the password out of messages
+from harness.tracking import folder_lock, redact  # the lock MLflow stores take; the password out of messages
 
 from ._ledger import FAILURE_ATTR, VOID_ATTR
 from .config import SweeperConfigError

@@ -22,7 +22,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
-from harness.tracking_store import experiment_id
+from harness.tracking import experiment_id
 
 from ._ledger import FAILURE_ATTR, Ledger, is_genuine_failure
 from ._storage import absolute_sqlite, sqlite_init_lock
