@@ -444,6 +444,7 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "data.vocab_size": (1, 2**24, False, False),
     "data.hops": COUNT,
     "data.n_vars": COUNT,
+    "data.queries": (0, 2**20, False, False),  # extra queries per example; 0 = none
     "data.train_examples": COUNT,
     "data.val_examples": COUNT,
     "data.seed": SEED,

@@ -10,6 +10,13 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # Not as run.py does (a short spin, harness/openmp.py): the tests share a busy machine, where passive
 # waiting is the safe choice.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Triton decides at import whether its kernels (and its own standard library) are interpreted: set
+# for the whole process, before any test module imports it, so the order of the tests cannot matter.
+# Tests that compile for a GPU run their scripts in a subprocess without it.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Hydra scans the hydra_plugins namespace once per process, the first time any test composes a
 # config, and re-executes the plugin modules it finds in place: classes a test module imported

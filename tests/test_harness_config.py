@@ -25,7 +25,7 @@ def test_every_variant_has_a_residual_file_that_validates():
     for name in files:
         spec = validate(compose([f"residual={name}", "model.layers=16"]))
         assert spec.cfg.residual.name == (name if name in VARIANTS else "block"), name
-    assert sorted(set(files) - set(VARIANTS)) == ["block_n8"]
+    assert sorted(set(files) - set(VARIANTS)) == ["block_n4", "block_n8"]
 
 
 @pytest.mark.parametrize("preset,d_model,layers,lr,batch", [

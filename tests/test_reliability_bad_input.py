@@ -34,7 +34,7 @@ CASES = {
                                                           "allowed: auto, fp32, bf16"),
     "null for a required value": (["model.layers=null"], "model.layers=null: null is not allowed; allowed: an integer"),
     "an unknown group option": (["residual=blok"], "residual=blok: no option 'blok' in group residual (did you "
-                                                   "mean 'block' or 'block_n8'?); allowed: baseline, block, "
+                                                   "mean 'block' or 'block_n8' or 'block_n4'?); allowed: baseline, block, "
                                                    "block_multihead,"),
     "a group added without +": (["sweep=ablation"], "sweep=ablation: sweep is not in the defaults list, so it "
                                                     "cannot be overridden; allowed: +sweep=ablation"),
