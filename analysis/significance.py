@@ -1,17 +1,9 @@
 """Statistics over a handful of seeds: intervals, p-values, a family's correction, seed noise
 and how many seeds a difference needs. Every verdict of the report is made with these.
 
-Design decisions:
-
-* **Intervals are Student-t intervals over seeds** (mean ± t_{0.975, n−1}·s/√n): with 2-5 seeds a
-  normal interval would be far too narrow. One seed gives no interval (NaN, shown as "n=1"), not
-  zero.
-* **Differences come with a Welch interval** (unequal variances, Welch–Satterthwaite degrees of
-  freedom); each interval has its test's two-sided p-value beside it (:func:`t_p`,
-  :func:`welch_p`), and a family of verdicts gets Holm's correction (:func:`holm`).
-* **Seeds needed** (:func:`seeds_needed`) come from the power of the t test itself (noncentral
-  t, df = 2n − 2), not the normal approximation, which is optimistic at the few seeds it
-  answers for us: its "3 seeds" for Block give Welch's test 48% power, not 80%.
+Intervals are Student-t over seeds (one seed gives NaN, not zero width); differences get Welch's
+interval and p-value, a family gets Holm's correction, and seeds needed come from the t test's
+own power (noncentral t), not the normal approximation.
 """
 from __future__ import annotations
 
