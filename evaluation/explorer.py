@@ -92,7 +92,8 @@ def explorer_data(model, prompts: list[tuple[str, list[int]]], tokenizer, title:
 
 
 def validation_prompts(source, tokenizer, n: int, length: int, data_overrides: Optional[list[str]] = None) -> list[tuple[str, list[int]]]:
-    """Prompts from the run's validation split (see the module docstring)."""
+    """`n` windows of `length` tokens spread evenly over the run's validation split (one held-out
+    example per hop count for a multi-hop run), as (text, tokens)."""
     from harness.data import load_data
 
     from .source import data_settings
