@@ -151,7 +151,7 @@ def _basic_jobs(master: DictConfig) -> list[Job]:
     for i, (o, cfg) in enumerate(jobs):
         spec = _validate(cfg, f"job {i} ({' '.join(o) or 'no overrides'})")
         key = run_key(to_plain(spec.cfg))
-        if key in first:
+        if key in first:  # an earlier job's run again (a knob its variant does not read): run.py reuses it
             out.append(_job(spec, f"{_label(o, keys, spec.cfg.residual.name)} (= job {first[key]})", trials=0))
         else:
             first[key] = i
