@@ -117,15 +117,10 @@ def seeds_needed(sigma: float, delta: float, level: float = LEVEL, power: float 
     ``delta`` with probability ``power`` when seeds scatter with ``sigma``: the smallest n ≥ 2 at
     which :func:`t_test_power` reaches ``power``.
 
-    Sized with the noncentral t, not the normal approximation n = 2·((z_{1−α/2} + z_power)·σ/Δ)²:
-    the report's comparisons are t/Welch intervals over a handful of seeds, where the t critical
-    value is far above 1.96 (4.30 at 2 seeds per arm) and the normal formula promises power the
-    test does not have (its "3 seeds" for σ = 0.060, Δ = 0.14 give 48% power with Welch's test;
-    this gives 5). Equal n and σ per arm make the pooled t the reference test; Welch's interval,
-    which the ablation table uses, has the same df in the limit and a little less power at the
-    smallest n (0.88 instead of 0.90 in that example), which the rounding up usually absorbs.
-    Power grows with n (both the noncentrality and the df do), so the n is found by doubling and
-    bisection: a few dozen noncentral-t evaluations even for the 10⁵ seeds a tiny Δ needs."""
+    Sized with the noncentral t, since at a handful of seeds the normal approximation promises
+    power the test does not have; the pooled t (equal n and σ per arm) is the reference test, a
+    little stronger than Welch's at the smallest n. NaN when σ or Δ is not finite, Δ is 0 or σ < 0.
+    Power grows with n, so n is found by doubling and bisection."""
     if not (np.isfinite(sigma) and np.isfinite(delta)) or delta == 0 or sigma < 0:
         return np.nan
     if sigma == 0:
