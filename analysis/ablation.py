@@ -1,18 +1,9 @@
 """Summaries over seeds: the ablation table (paper Table 4) and the block-size sweep (Fig. 6).
 
-Design decisions:
-
-* **Intervals and tests are those of analysis.significance**: Δ vs our baseline is the mean of
-  same-seed differences with its paired t interval where two or more seeds are shared (runs of
-  one `train.seed` share data order and initial weights, so pairing removes most seed noise),
-  Welch's interval over all runs beside it (and primary where seeds do not pair); Holm over the
-  family. "Beats the baseline" means the primary interval lies below 0.
-* **Rank agreement** with the paper is Kendall's τ-b (scipy) between our mean losses and the
-  paper's, over the variants both have, with its two-sided p-value, a bootstrap interval over
-  seeds, and whether our runs tell the variants apart at all (F test of a variant + seed model,
-  :func:`significance.rank_resolution`): where they do not, τ orders noise.
-* Table order follows the paper's Table 4; variants the paper lacks come last.
-* Markdown and LaTeX are written here (no tabulate / jinja2 dependency) so the files are stable.
+Δ vs our baseline and its tests come from :mod:`analysis.significance` (paired where seeds are
+shared, Welch beside it, Holm over the family); rank agreement with the paper is Kendall's τ-b.
+Tables follow the paper's Table 4 order, variants it lacks last; Markdown and LaTeX are written
+here, without a template dependency, so the files are byte-stable.
 """
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """Adaptive seeds: add seeds to the comparisons that are not yet resolved, stop each when it is.
 
-    python -m analysis.adaptive --compare block:baseline --recipe study_cpu --half-width 0.03 \\
-        --max-seeds 8 --budget-minutes 14
+    python -m analysis.adaptive --compare block:baseline --recipe study_cpu --half-width 0.03
 
-Each comparison (``A:B``, A − B of the final validation loss) is judged on same-seed pairs at
-planned looks: n = start, start + step, ..., max-seeds pairs (seeds first-seed, first-seed + 1,
-...). At a look the paired t interval is computed at level 1 − α/K, K the number of planned
-looks (Bonferroni over the looks), so the K intervals hold together with probability ≥ 1 − α and
-the one at which a comparison stops is a valid (1 − α) interval whatever the stopping rule did.
-A comparison stops at the first look where the interval excludes 0 (a sign verdict) or its
-half-width is at most the target (``--stop``), or when the seeds or the budget (runs, minutes)
-run out; it is then reported as not resolved, with the interval it has.
-
-Training is `run.py -m` (the harness's multirun: one MLflow run per job, keyed folders), one
-lane per core; results are read back from the MLflow store, so a rerun of the same command
-resumes: finished runs are read, not trained again, and the decisions, which depend on the data
-only, come out the same. The verdict is printed, written to ``--out`` (JSON and Markdown) and
-logged to MLflow as a run tagged ``attnres.role=study`` in the comparison's experiment.
+Each comparison is judged on same-seed pairs at planned looks, at level 1 − α/K over K looks, so
+the interval where it stops stays valid; training goes through ``run.py -m`` and results are read
+back from MLflow, so a rerun resumes. The rule is spelled out in docs/STUDY.md.
 """
 from __future__ import annotations
 

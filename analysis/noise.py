@@ -1,14 +1,9 @@
 """The noise study: how finely a recipe can tell a variant from the baseline, from its own runs.
 
-For each variant beside the baseline (runs of one recipe, seeds pairing runs through
-`train.seed`): the unpaired seed σ of each arm, the σ of same-seed differences, the correlation
-of the pairs, and the minimum detectable effect (two-sided 5%, 80% power) at n seeds of a paired
-and an unpaired design; and, for a target Δ the user states, the seeds each design needs. The
-target is an input, never the observed Δ: power computed from the estimate it is meant to judge
-only restates that estimate's p-value.
-
-``python -m analysis noise --snapshot results/runs.csv --sweep ablation --variant block`` prints
-the table and writes it (CSV, Markdown) and a figure into ``--out``.
+Per variant: each arm's seed σ, the σ and correlation of same-seed differences, the minimum
+detectable effect paired and unpaired, and the seeds a stated target Δ needs (never the observed
+Δ, whose power would only restate its p-value).
+``python -m analysis noise --snapshot results/runs.csv --sweep ablation --variant block``
 """
 from __future__ import annotations
 

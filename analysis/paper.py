@@ -1,11 +1,9 @@
 """The paper's published numbers and how our variant names map onto them.
 
-Source: "Attention Residuals", Kimi Team, arXiv 2603.15031 (2026), Tables 2 and 4 and Figs. 4,
-6 and 7, copied as data into ``results/paper/*.csv`` (see ``results/paper/README.md``).
-
-Name mapping: our residual names are the paper's Table-4 row names, so Table 4 maps one to one
-(``hc``, plain hyper-connections, has no row there). Fig. 7 calls Block AttnRes ``attnres``; Fig. 6
-indexes Block AttnRes by its block size S, with S = 1 being Full AttnRes.
+Source: "Attention Residuals", Kimi Team, arXiv 2603.15031, Tables 2 and 4 and Figs. 4, 6 and 7,
+kept as data in ``results/paper/*.csv``. Our residual names are Table 4's row names (``hc`` has
+no row); Fig. 7 calls Block AttnRes ``attnres``, and Fig. 6 indexes it by block size S (S = 1 is
+Full AttnRes).
 """
 from __future__ import annotations
 

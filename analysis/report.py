@@ -1,24 +1,9 @@
 """The ``report`` command: runs → every table, figure and ``REPORT.md`` in one folder.
 
-Which runs feed which section is decided by the sweep name (``sweep.name``, one MLflow experiment
-per sweep), the names of the harness's ready sweeps: ``ablation`` (Table 4), ``block_size``
-(Fig. 6), ``scaling`` (Fig. 4), ``arch`` (Fig. 7), ``multihop`` (the multi-hop probe) and
-``tuned_lr`` (Table 4 at each variant's best learning rate), which the Optuna studies ``lr`` feed
-too. A sweep whose name starts with one of these (``scaling_gpu``) goes to that section;
-``--role SWEEP=SECTION`` assigns any other. Runs of no
-known sweep (ad-hoc runs, ``python run.py -m residual=...``) still get an ablation-style table
-when there is no ablation sweep. Runs compared as seeds must share the model and the training
-recipe (``CONFIG_COLUMNS``: shape, tokens, learning rate, batch, context, data): where the ablation
-runs hold several such configurations, the one with the most runs is taken and the report says
-so, so the comparison stays like for like; likewise each variant's own settings (``RESIDUAL_COLUMNS``).
-
-Only FINISHED runs enter the statistics; every other run is listed in the report with its status
-and failure reason, never dropped silently. A section whose data is missing says so; a section
-that fails with an error is reported as such and the command exits non-zero after writing
-everything else.
-
-The report is deterministic for a given input and seed (no timestamps, seeded bootstrap), so
-``REPORT.md`` and the tables regenerate identically from a snapshot.
+Runs reach sections by sweep name (``ablation``, ``block_size``, ``scaling``, ``arch``,
+``multihop``, ``tuned_lr``, or ``--role SWEEP=SECTION``); only FINISHED runs of one configuration
+enter the statistics, the rest are listed. A failing section is reported and the command exits
+non-zero after writing everything else. Output is deterministic for a given input and seed.
 """
 from __future__ import annotations
 

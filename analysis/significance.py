@@ -1,17 +1,9 @@
 """Statistics over a handful of seeds: intervals, p-values, a family's correction, seed noise
 and how many seeds a difference needs. Every verdict of the report is made with these.
 
-Design decisions:
-
-* **Intervals are Student-t intervals over seeds** (mean ± t_{0.975, n−1}·s/√n): with 2-5 seeds a
-  normal interval would be far too narrow. One seed gives no interval (NaN, shown as "n=1"), not
-  zero.
-* **Differences come with a Welch interval** (unequal variances, Welch–Satterthwaite degrees of
-  freedom); each interval has its test's two-sided p-value beside it (:func:`t_p`,
-  :func:`welch_p`), and a family of verdicts gets Holm's correction (:func:`holm`).
-* **Seeds needed** (:func:`seeds_needed`) come from the power of the t test itself (noncentral
-  t, df = 2n − 2), not the normal approximation, which is optimistic at the few seeds it
-  answers for us: its "3 seeds" for Block give Welch's test 48% power, not 80%.
+Intervals are Student-t over seeds (one seed gives NaN, not zero width); differences get Welch's
+interval and p-value, a family gets Holm's correction, and seeds needed come from the t test's
+own power (noncentral t), not the normal approximation.
 """
 from __future__ import annotations
 
@@ -125,15 +117,10 @@ def seeds_needed(sigma: float, delta: float, level: float = LEVEL, power: float 
     ``delta`` with probability ``power`` when seeds scatter with ``sigma``: the smallest n ≥ 2 at
     which :func:`t_test_power` reaches ``power``.
 
-    Sized with the noncentral t, not the normal approximation n = 2·((z_{1−α/2} + z_power)·σ/Δ)²:
-    the report's comparisons are t/Welch intervals over a handful of seeds, where the t critical
-    value is far above 1.96 (4.30 at 2 seeds per arm) and the normal formula promises power the
-    test does not have (its "3 seeds" for σ = 0.060, Δ = 0.14 give 48% power with Welch's test;
-    this gives 5). Equal n and σ per arm make the pooled t the reference test; Welch's interval,
-    which the ablation table uses, has the same df in the limit and a little less power at the
-    smallest n (0.88 instead of 0.90 in that example), which the rounding up usually absorbs.
-    Power grows with n (both the noncentrality and the df do), so the n is found by doubling and
-    bisection: a few dozen noncentral-t evaluations even for the 10⁵ seeds a tiny Δ needs."""
+    Sized with the noncentral t, since at a handful of seeds the normal approximation promises
+    power the test does not have; the pooled t (equal n and σ per arm) is the reference test, a
+    little stronger than Welch's at the smallest n. NaN when σ or Δ is not finite, Δ is 0 or σ < 0.
+    Power grows with n, so n is found by doubling and bisection."""
     if not (np.isfinite(sigma) and np.isfinite(delta)) or delta == 0 or sigma < 0:
         return np.nan
     if sigma == 0:

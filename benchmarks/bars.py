@@ -3,9 +3,7 @@ it is met, "not measured" (and why) where a stage did not produce it.
 
     python benchmarks/bars.py benchmarks/results      # the folder run_gpu.sh wrote (OUT)
 
-Reads gpu_check.rc (the device check's exit status), op_bench.json, model_bench.json and
-decode_bench.json; prints the machine they ran on first. Exit 0 whatever the verdicts: the
-figures are the output, the verdicts a reading of them.
+Exits 0 whatever the verdicts: the figures are the output, the verdicts a reading of them.
 """
 from __future__ import annotations
 

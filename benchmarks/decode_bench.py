@@ -1,16 +1,11 @@
 """Inference latency: prefill of a prompt and token-by-token decoding from the KV cache, of each
-variant against the baseline, measured in one process on the same model shape and prompt.
+variant against the baseline, in one process on the same model shape and prompt.
 
     python benchmarks/decode_bench.py --preset 194m              # GPU: bf16 weights, block vs baseline
     python benchmarks/decode_bench.py --layers 2 --prompt 16 --new 4 --rounds 2   # CPU, tiny
 
-Method: every variant is built from the same ModelConfig and seed and cast to the benchmark's dtype
-(bf16 on CUDA, fp32 on CPU); a warm-up generation first (Triton's autotuning and compiles). Each
-round, in an order that rotates, each variant prefills the prompt into a fresh cache (timed), then
-decodes `--new` tokens greedily one forward at a time, each forward timed on its own (synchronised:
-a token's latency, as a user waits for it). The per-token figure is the median over a round's
-steps; ratios are taken to the baseline's in the same round and the median over rounds is
-reported, with the interquartile range. SIGTERM (a time limit) reports the rounds done.
+Each decoded token is timed on its own (synchronised), as a user waits for it; the report gives
+median ratios to the baseline over rounds, with their interquartile range.
 """
 from __future__ import annotations
 
@@ -99,6 +94,7 @@ def main(argv=None) -> dict:
         for v in variants:  # warm-up: Triton autotunes and compiles each new shape once
             one_round(models[v], prompt, min(args.new, 4), cuda)
         for r in range(args.rounds):
+            # A rotating order and ratios within a round cancel the machine's drift.
             order = variants[r % len(variants):] + variants[: r % len(variants)]
             got = {v: one_round(models[v], prompt, args.new, cuda) for v in order}
             for v in variants:

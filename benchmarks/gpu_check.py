@@ -5,12 +5,9 @@
     python benchmarks/gpu_check.py --smoke  # the same checks, small, on CPU under Triton's interpreter
     python benchmarks/gpu_check.py --smoke --quick   # one check of each kind (run_gpu.sh --dry-run)
 
-Checks, on CUDA tensors: one read and its gradients against `attnres.depth_read` in fp32 and bf16
-for the read's knobs (key norm, softmax/sigmoid, per-token query, heads, a non-power-of-2 width):
-by default 8 cases per dtype that hold every pair of knob values at least once (each case compiles
-its own kernels, and a lent GPU's minutes are few), with --full all 32; the two-phase schedule
-against one read per sublayer for Block (with a remainder) and Full; a bf16 autocast training step
-of a small model through the kernels against the PyTorch path.
+Checks one read and its gradients against `attnres.depth_read` in fp32 and bf16 (by default a
+pairwise cover of the knobs, since each case compiles its own kernels), the two-phase schedule
+against one read per sublayer, and a bf16 autocast training step against the PyTorch path.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Host time of op_bench's step on the Triton path, without a GPU: every kernel is compiled for a
-GPU architecture (kernel_resources' stand-in driver) and launched as a no-op, on CPU tensors of a
-few tokens, so what is timed is what the host does per step (Python, autograd, wrappers,
-allocations, Triton's launcher); on a GPU add the driver's launches.
+GPU architecture (kernel_resources' stand-in driver) and launched as a no-op, so what is timed is
+what the host does per step (Python, autograd, wrappers, allocations, Triton's launcher).
 
     python benchmarks/host_time.py                     # both schedules, op_bench's 32 sublayers, S = 4, d 2048
     python benchmarks/host_time.py --profile 20        # and the 20 costliest functions (cProfile)
-
-A step of small reads can be host-bound on a GPU, and host work can be measured on any machine.
 """
 from __future__ import annotations
 

@@ -3,12 +3,9 @@ a model launches, compiled for a GPU architecture on a machine without one (defa
 
     python benchmarks/kernel_resources.py                                  # block, the 194m shape
     python benchmarks/kernel_resources.py --variant full --d-model 2048 --heads 16
-    python benchmarks/kernel_resources.py --triton PAIRED_SUMS=true        # any knob of the kernels (model_bench's option)
-    python benchmarks/kernel_resources.py --variant full --layers 12 --triton READER_GROUP=4 --triton BWD_DQ_SECOND_PASS=true
+    python benchmarks/kernel_resources.py --triton PAIRED_SUMS=true        # any knob of the kernels
 
-How many programs fit on an SM is what a tile or kernel change moves first, and reading it needs no
-GPU: a stand-in for Triton's driver compiles each launch (counts from the cubin) and runs nothing;
-the model's values mean nothing. Occupancy is an estimate from registers and shared memory.
+A stand-in for Triton's driver compiles each launch (counts from the cubin) and runs nothing.
 """
 from __future__ import annotations
 

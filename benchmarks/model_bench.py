@@ -1,29 +1,14 @@
 """Model-level benchmark: training-step time and peak memory of every residual variant, as ratios
-to the baseline's, measured in one process on the same model and the same batch.
+to the baseline's, in one process on the same model and the same batch.
 
     python benchmarks/model_bench.py                          # CPU: the default model, layers=16
     python benchmarks/model_bench.py --variants baseline,block,full,mhc --rounds 30
     python benchmarks/model_bench.py --preset d128 --threads 1  # the wider CPU shape (d_model 128)
     python benchmarks/model_bench.py --preset 194m --compile  # GPU (bf16 autocast on CUDA)
 
-Method (why the figures can be trusted on a shared, noisy machine):
-- every variant is built from the same ModelConfig and seed and steps on the same token batch;
-- rounds alternate the variants (the order rotates each round) and each round's time is divided
-  by the baseline's time in that same round, so slow drift of the machine cancels; the table
-  reports the median of those per-round ratios with its interquartile range, and median times;
-- on CPU both wall-clock and process CPU time are recorded: on a shared machine other processes
-  inflate wall time erratically (and multi-threaded ops spin), CPU time of a one-thread run much
-  less so (`--threads 1`);
-- one training step = forward, loss, backward, AdamW step, zero_grad (set_to_none), like the
-  harness's loop; warm-up steps first (allocator, optimizer state, compilation);
-- the allocator is set up as the harness sets it for training (harness/malloc.py: freed memory stays
-  in the process, so no variant faults its pages in again every step; `--malloc-default` leaves
-  glibc's own thresholds);
-- peak memory: CUDA: max_memory_allocated over a step above what was allocated before it, plus
-  the model's parameters and optimizer state; CPU (no allocator statistics): the same quantity
-  from the profiler's allocation events (every allocation and free of the step, in order).
-Writes a JSON file (default benchmarks/out/model_bench_<device>.json, ignored by git; the figures
-recorded in RESULTS.md are in benchmarks/results/, written with --json) beside the table.
+A step is forward, loss, backward, AdamW and zero_grad, as the harness trains, with its allocator
+settings (``--malloc-default`` leaves glibc's). Reports the median of per-round ratios with their
+interquartile range, wall and CPU time, and writes JSON (``--json``).
 """
 from __future__ import annotations
 
@@ -301,6 +286,8 @@ def main(argv=None) -> dict:
                 warmup_s[v] = round(time.perf_counter() - t, 2)
             stage, t = "first round", time.perf_counter()
             for r in range(args.rounds):
+                # The order rotates and each time is divided by the baseline's in the same round, so
+                # the machine's slow drift cancels; CPU time beside wall time resists other processes.
                 order = variants[r % len(variants):] + variants[: r % len(variants)]
                 got = {v: timed(v) for v in order}
                 for v in variants:

@@ -4,24 +4,10 @@ raced across implementations on the same shapes, with peak memory.
     python benchmarks/op_bench.py                       # GPU: 32 sublayers, S=4, 16k tokens, d=2048, bf16
     python benchmarks/op_bench.py --tokens 4096 --d 128 --dtype float32   # the CPU-sized race
 
-The work: L sublayer outputs v_l and the embedding are given (random, requiring grad, standing in
-for the sublayers); every sublayer l reads its Block AttnRes sources [b_0..b_{n-1}, b_n^{i-1}]
-(partial sums formed as the model forms them) with its own pseudo-query and key-norm gain, and the
-output read covers all blocks. Backward runs from a fixed random gradient on every read's output
-to the sources, queries and gains. Implementations:
-- fused two-phase: this project's fused kernels (Triton on GPU, C on CPU), Algorithm 1 (phase 1
-  per block, phase-2 merges);
-- fused per read: the same kernel, one call per sublayer;
-- torch path two-phase / per read: this project's PyTorch path (what runs on CPU);
-- reference eager: `attnres.depth_read` per sublayer (stack, normalise, score, softmax, mix);
-- reference compiled: `torch.compile(depth_read)`;
-- fla fused_attnres: fla-core's Triton kernel (`fla.ops.attnres.fused_attnres`: one launch per
-  read over a tuple of source pointers, each source's rms computed in every read), per sublayer,
-  when fla-core is installed (CUDA only).
-Each is timed over repeated steps after warm-up (CUDA events on GPU); the median is reported.
-Peak memory is the allocator's peak above the inputs (CUDA only). The implementations the bars
-compare run first (eager reference, ours, fla-core), and the JSON is rewritten after each one: a
-run cut short (a lent GPU's time limit) keeps what it measured.
+Implementations: our fused kernels (two-phase and per read), our PyTorch path, the eager and
+compiled reference (`attnres.depth_read`), and fla-core's `fused_attnres` when installed (CUDA).
+Medians over repeated steps; the JSON is rewritten after each implementation, so a run cut short
+keeps what it measured.
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """`python -m evaluation.explorer <path or run id> --out depth.html`: the depth-map explorer.
 
-Runs the model on a few validation prompts, records every depth-attention weight (each reader —
-every sublayer, then the output read — over each source, at every token) and writes one
-self-contained interactive HTML page (evaluation.explorer_page). Given an MLflow run, the page is
-also logged into it as `explorer/depth.html`, which the MLflow UI opens in place; run.py logs the
-same page (default prompts) at the end of training (`training_run_page`).
-
-Design decisions:
-- Prompts come from the run's own validation split (held-out text, as the model would see it):
-  `--prompts` windows of `--length` tokens spread evenly over the split, each starting after a
-  newline when one is near (whole lines read better). A run trained on the multi-hop probe gets
-  one held-out example per hop count instead, answer included, since that is where routing over
-  depth is expected to matter. `--text` adds prompts of your own.
-- Only variants whose reads are attention over depth have weights to show (full, block and
-  their ablations); the others (baseline, DenseFormer, HC, mHC) stop with one line.
-- Rows are readers, columns sources, in the core's layout (`return_weights=True`): for Full-type
-  variants column i ≥ 1 is the output of sublayer i − 1; for Block variants column n ≥ 1 is block
-  n (the partial sum inside it, or the completed block). Boundaries drawn: AttnRes blocks (after
-  every S sublayers) for block variants; Transformer blocks (attention + MLP) otherwise.
+Runs the model on a few prompts from the run's validation split (one per hop count for a
+multi-hop run), records every depth-attention weight (each reader over each source, at every
+token) and writes one self-contained interactive HTML page (evaluation.explorer_page), logged into
+the run as `explorer/depth.html` when given one. Variants without attention over depth are refused.
+Rows are readers and columns sources, in the core's layout (`return_weights=True`).
 """
 from __future__ import annotations
 
@@ -105,7 +92,8 @@ def explorer_data(model, prompts: list[tuple[str, list[int]]], tokenizer, title:
 
 
 def validation_prompts(source, tokenizer, n: int, length: int, data_overrides: Optional[list[str]] = None) -> list[tuple[str, list[int]]]:
-    """Prompts from the run's validation split (see the module docstring)."""
+    """`n` windows of `length` tokens spread evenly over the run's validation split (one held-out
+    example per hop count for a multi-hop run), as (text, tokens)."""
     from harness.data import load_data
 
     from .source import data_settings
@@ -163,8 +151,7 @@ def page(model, prompts: list[tuple[str, list[int]]], tokenizer, name: str, run_
 
 def training_run_page(model, data_cfg, val: torch.Tensor, run_id: str, n: int = 6, length: int = 48) -> Optional[str]:
     """The page run.py logs into every run whose variant has depth weights, at the end of training
-    (issue: "for a run, one self-contained HTML file logged as an MLflow artifact"): the command's
-    default prompts, from the split the run validated on, already in memory. None for variants
+    as one self-contained HTML artifact: the command's default prompts, from the split the run validated on, already in memory. None for variants
     without attention over depth."""
     from .tokenizer import tokenizer_for
 

@@ -3,29 +3,9 @@
     attnres-lm-eval --model attnres --model_args pretrained=<path or run id> --tasks hellaswag
     lm_eval.simple_evaluate(model=AttnResLM(pretrained=...), tasks=[...])     # in Python
 
-Importing this module registers the name `attnres` in lm-eval's model registry: lm-eval 0.4.13
-discovers models only by import, so `attnres-lm-eval` (evaluation/lm_eval_cli.py) imports it
-before handing over to lm-eval's CLI (docs/EVALUATION.md).
-
-Design decisions:
-- lm-eval's own models (hf, vllm, ...) are registered before `attnres`. lm-eval's `get_model`
-  imports `lm_eval.models` only when its registry is empty. If this module registered first,
-  the registry would hold `attnres` alone and `--model hf` would be unknown.
-- Built on lm-eval's TemplateLM, which owns request tokenisation (trailing spaces of a context
-  move to the continuation, an empty context is conditioned on `prefix_token_id`), so this class
-  only scores token sequences and generates.
-- loglikelihood: context + continuation is truncated on the left to max_length + 1 tokens (the
-  HF adapter's rule); requests are sorted longest first so each batch pads little, and answered
-  in the original order. The score is the sum of log-softmax of the continuation's tokens in
-  float32; `is_greedy` is whether every continuation token is the argmax.
-- loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length tokens, the first one
-  conditioned on the prefix token (perplexity tasks such as wikitext).
-- generate_until: greedy unless `do_sample` with temperature > 0; stops at any `until` string
-  (checked on the decoded text, so a stop string split across tokens is caught), at end of text,
-  or after max_gen_toks; each token conditions on the last max_length tokens of prompt and
-  generated text. The prompt is read once and each new token runs one cached step (the model's
-  KV cache); once the text outgrows the window, every position shifts at each step and the window
-  is recomputed, as the cache cannot reuse keys made at other positions.
+Importing this module registers `attnres`, after lm-eval's own models: lm-eval fills its registry
+from `lm_eval.models` only while it is empty, so registering first would hide `hf` and the rest.
+Built on TemplateLM, which owns request tokenisation; this class only scores and generates.
 """
 from __future__ import annotations
 
@@ -134,6 +114,7 @@ class AttnResLM(TemplateLM):
     # --- scoring --------------------------------------------------------------------------------
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        # Longest first, so each batch pads little; answers go back in the original order.
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results: list[Optional[tuple[float, bool]]] = [None] * len(requests)
         for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="attnres loglikelihood"):

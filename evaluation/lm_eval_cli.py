@@ -1,14 +1,10 @@
 """`lm_eval`'s own command line with the `attnres` model registered.
 
-    attnres-lm-eval --model attnres --model_args pretrained=<path or run id> \
-        --tasks hellaswag,lambada_openai,wikitext [any other lm_eval option]
+    attnres-lm-eval --model attnres --model_args pretrained=<path or run id> --tasks hellaswag
     python -m evaluation.lm_eval_cli ...    # the same, also from a checkout (PYTHONPATH=.)
 
-lm-eval 0.4.13 finds models only in its registry, filled by importing the module that defines
-them, so this imports the adapter and hands the unchanged arguments to lm-eval's CLI: every
-lm_eval option and output is lm_eval's. Results are not logged to MLflow here
-(`python -m evaluation RUN --tasks ...` does that). A `pretrained=` that cannot be loaded is one
-line and exit status 2.
+lm-eval finds models only by import, so this imports the adapter and hands the unchanged arguments
+to lm-eval's CLI. A `pretrained=` that cannot be loaded is one line and exit status 2.
 """
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
 """The Hydra callback of a multirun: check every job, create the MLflow store once, open the parent.
 
-`on_multirun_start` runs in the launching process before any job:
-1. **Every job's config is composed and validated** (Hydra's basic sweeper: the product of the
-   comma lists; the same composition Hydra does next). A bad value in any job stops the whole
-   multirun with one line and exit code 2 before anything is written — no parent run, no
-   checkpoint folder. The data of each distinct data setting is loaded once too (cached). A
-   sweeper that composes its own jobs checks them through its `check_jobs(config)` hook instead
-   (the Optuna sweeper: every study's cell), so a refused sweep leaves no MLflow store either.
-2. **The tracking store is created once**, under the inter-process lock (ECOSYSTEM.md: parallel
-   jobs migrating a fresh SQLite database corrupt it), with the experiment and its
-   model-training tag.
-3. **The parent run** (tag attnres.role=parent) is created, or reopened when the same multirun
-   is started again with train.resume=true (same sweep key: config + sweep arguments), so a
-   resumed multirun's jobs stay children of one parent. Jobs learn its id from the environment
-   variable ATTNRES_PARENT_RUN_ID, which every launcher passes on (in-process, joblib, submitit).
-   No parent is made when the base config names one (tracking.parent_run_id) or when the sweeper
-   manages its own (a sweeper class with `manages_mlflow_runs = True`, e.g. one parent per Optuna
-   study); a parent that ends up with no child is deleted.
-`on_multirun_end` (or, when a job failed or was stopped and Hydra raises, an atexit hook) ends
-the parent: FINISHED when every child finished, FAILED when one failed, else KILLED (interrupted:
-the same command resumes it), with counts as tags.
+Before any job, every job's config is composed and validated (a bad one stops the multirun with
+one line and exit 2, nothing written), the tracking store is created once under the inter-process
+lock, and the parent run is created or reopened on resume; jobs find it through
+ATTNRES_PARENT_RUN_ID. At the end the parent ends FINISHED, FAILED or KILLED from its children.
 """
 from __future__ import annotations
 
@@ -229,7 +213,7 @@ class MLflowMultirunCallback(Callback):
             sys.exit(2)
         self.client = client_for(uri)
         exp_id = experiment_id(self.client, base.tracking.experiment or base.sweep.name, uri)
-        if base.tracking.parent_run_id or _sweeper_manages_runs(config):
+        if base.tracking.parent_run_id or _sweeper_manages_runs(config):  # a parent exists or comes per study
             return
         arguments = _sweep_arguments(config)
         key = _sweep_key(arguments, base)

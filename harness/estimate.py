@@ -1,49 +1,11 @@
 """What a sweep costs, from the model's own FLOPs accounting: `python -m harness.estimate ARGS`.
 
     python -m harness.estimate +sweep=ablation_gpu data=shards data.path=data/fineweb10B
-    python -m harness.estimate +sweep=scaling_gpu --mfu 0.35 --json scaling_cost.json
-
     python -m harness.estimate +sweep=ablation --probe          # + wall time on this CPU
     python -m harness.estimate +sweep=ablation --recorded RUN_ID  # + wall time at a run's speed
 
-ARGS are those of `python run.py -m ARGS` (a `-m` is accepted and ignored, so a command line can be
-pasted) plus the options below. It prints one row per job (variant, model, parameters, tokens,
-training FLOPs, GPU-hours) and the totals: FLOPs, PFLOP/s-days and GPU-hours at an assumed peak
-and model FLOPs utilisation (MFU). With a measured speed it adds each job's wall time on this
-machine: `--probe` times a few real training steps (forward, backward, optimizer) of each distinct
-model on this CPU; `--recorded RUN` takes the training FLOP/s of a finished run (its logged
-`train/tokens_per_s` × its `count.flops_per_token`) and divides each job's FLOPs by it. Nothing is
-written (except --json).
-
-Design decisions:
-- **The jobs are the multirun's own.** The master config is composed in multirun mode, as
-  `run.py -m` composes it, and expanded by the code the multirun itself runs before its first job
-  (harness.callbacks.job_configs: Hydra's BasicSweeper.split_arguments over hydra.sweeper.params
-  plus the command line, then load_sweep_config per job). Every job then goes through
-  harness.config.validate, so steps, tokens and FLOPs are the ones that job would train
-  (count.train_steps / train_tokens / train_flops, with the budget priority steps > flops >
-  tokens_per_param > tokens), and a job whose config the multirun would refuse is refused here, with
-  its line. The data is not read (the vocabulary is config), so the corpus need not exist yet.
-  A formula of our own would drift from what runs.
-- **FLOPs are the model's** (DecoderLM.flops_per_token, already training FLOPs: forward + backward
-  = 3 × forward): 6 × the matmul weights (sublayers and LM head), attention's QKᵀ and AV over the
-  full T×T square (12·T·d per block and token: PaLM's MFU convention, so MFUs quoted that way
-  apply), and the residual's mixing. Not counted: evaluation and instrumentation forwards (well
-  under 1% at the GPU settings), norms, softmax and elementwise work, the optimizer step (Muon's
-  Newton-Schulz iterations included). Everything not counted is what the MFU absorbs.
-- **The Optuna sweeper** (`+sweep=lr`): one study per grid cell with hydra.sweeper.n_trials trials
-  (the grid sampler: at most the grid's size). A trial's FLOPs are taken at every corner of the
-  search space and the largest kept, so a searched key that changes the model or the budget is
-  still bounded; the total is an upper bound because pruned trials stop early.
-- A job that is an earlier job's run again (the same run key: it sets a residual knob its variant
-  does not read) counts 0 trials: run.py returns the earlier one's result.
-- **Wall time is training steps only**, as `train/tokens_per_s` is: validation, instrumentation
-  and checkpoints come on top. The probe runs on random tokens (the data do not change a step's
-  cost) with the job's micro-batch, accumulation, optimizer and `train.threads`, after one untimed
-  step; it always runs on the CPU, so for a GPU job use --recorded with a run from that GPU.
-- GPU-hours = FLOPs / (peak × MFU) / 3600. The default peak is the dense (no sparsity) bf16
-  tensor-core peak of one H100/H200 SXM, 989 TFLOP/s; MFU 0.40 is typical of a well-tuned
-  single-GPU run of a model this size, not a measurement of this code.
+ARGS are those of `python run.py -m ARGS`; the jobs are expanded and validated by the multirun's
+own code, so their FLOPs are the ones each job would train (docs/REPRODUCE.md).
 """
 from __future__ import annotations
 
@@ -189,7 +151,7 @@ def _basic_jobs(master: DictConfig) -> list[Job]:
     for i, (o, cfg) in enumerate(jobs):
         spec = _validate(cfg, f"job {i} ({' '.join(o) or 'no overrides'})")
         key = run_key(to_plain(spec.cfg))
-        if key in first:
+        if key in first:  # an earlier job's run again (a knob its variant does not read): run.py reuses it
             out.append(_job(spec, f"{_label(o, keys, spec.cfg.residual.name)} (= job {first[key]})", trials=0))
         else:
             first[key] = i

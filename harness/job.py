@@ -1,27 +1,9 @@
 """One job: from a composed Hydra config to a finished (or resumed) run; what run.py calls.
 
-Order of work, and why:
-1. Validate the config and load the data. Bad input stops here with one line and exit code 2
-   (in a multirun: an exception the sweeper records, so other jobs go on) — before any MLflow
-   run, checkpoint folder or file exists.
-2. Take the run's folder (identity = the effective config) and its lock. A finished run is not
-   trained again: its recorded result is returned. An interrupted one is resumed from its last
-   checkpoint into the same MLflow run. A failed one is reported failed again without training,
-   unless train.retry_failed=true (then it resumes from its last good checkpoint).
-3. Open the MLflow run (new, child of the multirun's parent or of the Optuna study's, or the
-   resumed one), log params, tags and provenance; record its id in the folder before training.
-4. Train. The outcome decides the run's end: FINISHED; FAILED with attnres.failure and
-   attnres.failure_step (non-finite loss: FloatingPointError is re-raised; any other error);
-   KILLED with attnres.status=PRUNED and pruned=true (a pruned sweep trial: re-raised);
-   KILLED on Ctrl-C. The last good checkpoint is kept in every case.
-5. SIGTERM (a scheduler's preemption) asks the loop to stop after its current step: it
-   checkpoints, the run ends KILLED, and the process exits with REQUEUE_EXIT, so that a launcher
-   (or a SLURM batch script) requeues the same command, which resumes into the same MLflow run
-   (docs/RELIABILITY.md).
-6. Under torchrun (harness/distributed.py, docs/DISTRIBUTED.md) every rank validates and loads
-   the data, then joins the process group; rank 0 alone takes the folder's lock, writes it and
-   logs to MLflow, and its outcome (refused, finished, the resume step) is every rank's, so all
-   ranks leave together. destroy_process_group runs whatever happens.
+Validate and load the data first (bad input: one line, exit 2, nothing created); take the run's
+folder and lock (a finished run returns its result, an interrupted one resumes, a failed one is
+not retried unless asked); open the MLflow run; train, and end the run by the outcome. SIGTERM
+checkpoints and exits with REQUEUE_EXIT (docs/RELIABILITY.md); under torchrun rank 0 alone writes.
 """
 from __future__ import annotations
 

@@ -1,36 +1,10 @@
 """Whether a training step fits in memory: a check before a CPU run starts, and the line of a run
 that did not fit.
 
-Why: on a GPU an allocation that does not fit raises torch.OutOfMemoryError, which the run ends on
-and reports. On a CPU the kernel's OOM killer ends the process with SIGKILL instead: no line, the
-MLflow run left RUNNING, and the same command killed again at the same step (measured: the default
-model at `train.seq_len=100000` on this 24 GB machine). A run that cannot fit is bad input, and
-gets one line before anything is created, with the micro-batch that would fit.
-
-How: measured, not modelled, so that it holds for every residual variant and read path. The run's
-own model (its config, its residual, the kernels it will use) computes one forward and loss on a
-probe sequence of min(seq_len, PROBE_TOKENS) tokens under saved-tensor hooks; the bytes autograd
-keeps for the backward (the distinct views saved of each storage; parameters and buffers left out)
-per probe token, times the micro-batch's tokens (linear in tokens: attention on a CPU is SDPA's
-flash kernel), plus 12 bytes per parameter (weights, gradients and one optimizer moment in fp32;
-AdamW keeps two), is what the step needs at its peak. Measured against the allocator's peak of real
-steps above the model and optimizer state (benchmarks/RESULTS_HARNESS.md): 0.92–0.99 of it at
-`model.layers=16` (16 × 128, 4 × 1024, 2 × 2048, 1 × 4096 tokens; baseline, block, full, hc, mhc,
-denseformer), 0.87–0.94 for the default 4 layers at 4 × 256, 0.66–0.78 for the tiny model, whose
-backward's temporaries weigh more; never above it. A run is refused only when MARGIN (90%) of the
-estimate still exceeds what is available, so that no run which fits is refused; one close to the
-limit may still be killed.
-
-A run that runs out of memory anyway (CUDA; a CPU process under a memory limit, `ulimit -v`)
-ends FAILED as before, and the command says so in one line with half its micro-batch to try
-(`out_of_memory`, `after_out_of_memory`; harness/job.py prints it) instead of a traceback.
-
-The parameters' share is arithmetic on the meta device's count, checked first: a model that
-cannot hold its weights is refused without being built (the probe builds it for real).
-
-Available: MemAvailable + SwapFree (/proc/meminfo), capped by the cgroup's memory.max − memory.current
-where a container sets a limit. Only for a single CPU process in eager mode (compiled graphs may
-keep fewer tensors; under torchrun the ranks share the machine) and on Linux.
+On a CPU the OOM killer ends a run with SIGKILL and no line, so a run that cannot fit is refused
+first. The need is measured, not modelled: one forward of the run's own model on a probe under
+saved-tensor hooks gives the bytes kept per token, plus 12 bytes per parameter; see
+docs/RELIABILITY.md for how close that comes to a real step's peak.
 """
 from __future__ import annotations
 
@@ -43,14 +17,15 @@ from harness.config import ConfigError, RunSpec
 
 PROBE_TOKENS = 128
 BYTES_PER_PARAMETER = 12  # fp32 weights, gradients and one optimizer moment (a lower bound)
-MARGIN = 0.9  # refused when MARGIN × the estimate exceeds what is available
+MARGIN = 0.9  # refused when MARGIN × the estimate exceeds what is available: no run that fits is refused
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
 GIB = 1 << 30
 
 
 def available_bytes() -> int | None:
-    """Memory this process could still take (see the module docstring); None where unknown."""
+    """Memory this process could still take: MemAvailable + SwapFree, capped by the cgroup's
+    memory.max − memory.current where a limit is set; None where unknown."""
     try:
         fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
         available = sum(int(fields[key].split()[0]) * 1024 for key in ("MemAvailable", "SwapFree"))
@@ -66,8 +41,9 @@ def available_bytes() -> int | None:
 
 
 def saved_bytes_per_token(spec: RunSpec) -> float:
-    """Bytes autograd keeps for the backward per token of a forward of the run's model (the
-    module docstring says how it is measured). The RNG states are left as they were."""
+    """Bytes autograd keeps for the backward per token of a forward and loss of the run's model
+    on a probe of min(seq_len, PROBE_TOKENS) tokens, under saved-tensor hooks (parameters and
+    buffers left out). The RNG states are left as they were."""
     cfg = spec.cfg
     tokens = min(cfg.train.seq_len, PROBE_TOKENS)
     with torch.random.fork_rng(devices=[]):

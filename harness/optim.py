@@ -1,19 +1,9 @@
 """The optimizer and the learning-rate schedule of a run.
 
-Design decisions:
-- Parameter groups come from the model (`model.optimizer_groups`): decay on matrices only, none
-  on norms or on the residual's mixing parameters. The harness never re-derives them.
-- The schedule is a pure function of the step (`lr_multiplier`), applied to every group's
-  `base_lr` before each optimizer step. A resumed run therefore needs no scheduler state: the
-  step in the checkpoint is the whole state, and resuming cannot drift.
-- AdamW uses torch's default implementation (foreach on CUDA, the per-tensor loop on CPU): the
-  fused one was no faster on CPU within noise and rounds differently from what earlier runs computed.
-- Muon: torch.optim.Muon (momentum, Nesterov, 5 Newton-Schulz steps) on the 2-D weights of the
-  sublayers (attention and MLP projections), AdamW on everything else: embedding, LM head, norms
-  and the residual's parameters (Muon is defined for hidden matrices only; Jordan et al. 2024).
-  `adjust_lr_fn="match_rms_adamw"` scales the orthogonalised update to AdamW's RMS (0.2·√max(m,n),
-  Liu et al. 2025, "Muon is scalable"), so one optim.lr and one schedule drive both. The fused
-  q/kv and gate/up projections are orthogonalised as one matrix each (a known simplification).
+Parameter groups come from the model (`model.optimizer_groups`). The schedule is a pure function
+of the step, so a resumed run needs no scheduler state. Muon (torch.optim.Muon) takes the
+sublayers' 2-D weights and AdamW the rest, its update scaled to AdamW's RMS so that one optim.lr
+drives both.
 """
 from __future__ import annotations
 
@@ -55,8 +45,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
     groups = model.optimizer_groups(cfg.weight_decay)
     adam_kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name is OptimName.adamw:
+        # torch's default AdamW: the fused one was no faster on CPU and rounds differently.
         opt = torch.optim.AdamW(groups, **adam_kw)
     else:
+        # Muon is for hidden matrices only; a fused q/kv or gate/up weight is orthogonalised whole.
         hidden = {id(p) for sub in model.sublayers for p in sub.parameters() if p.dim() == 2}
         muon = [p for g in groups for p in g["params"] if id(p) in hidden]
         rest = [

@@ -1,37 +1,9 @@
 """The one thing a training loop needs to know about hyper-parameter search: report and maybe stop.
 
-The loop calls, after each validation::
-
-    from harness import pruning
-    ...
-    pruning.report(step, val_loss)   # raises pruning.TrialPruned when the trial should stop
-
-and, when it catches ``TrialPruned``, ends its MLflow run with status ``KILLED`` and tags
-``attnres.status=PRUNED``, ``pruned=true``, then re-raises so that the sweeper records the trial as
-PRUNED. Outside a sweep ``active()`` is False and ``report`` does nothing, so the loop needs no
-``if``.
-
-Design decisions
-----------------
-* **How the live trial gets here.** The Optuna sweeper (``hydra/sweeper=attnres_optuna``) launches
-  each trial as a Hydra job through the launcher, one job at a time. Hydra's basic launcher runs the
-  job in the sweeper's own process and thread, so the sweeper simply ``bind``\\ s the live
-  ``optuna.Trial`` here around the launch and unbinds it afterwards. No environment variables, no
-  second database connection, no extra config keys the training config would have to accept.
-* **Parallelism is by workers, not by launchers.** To use several processes or machines, start the
-  same sweep command several times on one shared storage (SQLite on one machine, PostgreSQL across
-  machines); each worker runs its own sweeper, which binds its own trials here. A launcher that runs
-  jobs in other processes (joblib, submitit) would leave this module unbound in the job, so
-  ``report`` would silently not prune: the sweeper warns when a trial finished without a single
-  report while a pruner is configured.
-* **A module-level slot, not a context variable.** A training loop may validate from a helper
-  thread; a ``contextvars`` value would not be visible there, a module global is. Only one job runs
-  per process at a time, so one slot is enough.
-* **No Optuna import.** Anything with Optuna's ``report(value, step)`` / ``should_prune()`` /
-  ``number`` can be bound, which keeps ``import harness.pruning`` free for runs that never sweep,
-  and lets tests bind a fake.
-* ``TrialPruned`` is this module's own exception. The sweeper also accepts ``optuna.TrialPruned``
-  from loops that talk to Optuna directly.
+After each validation the loop calls ``pruning.report(step, val_loss)``, which raises
+``TrialPruned`` when the trial should stop and does nothing outside a sweep. The Optuna sweeper
+binds the live trial here around each in-process launch; a module global, not a context variable,
+so a helper thread sees it too. Nothing here imports Optuna (docs/SWEEPER.md).
 """
 
 from __future__ import annotations

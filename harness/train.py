@@ -1,29 +1,10 @@
 """The training loop: gradient accumulation to a fixed global batch, schedule, clipping,
 validation, instrumentation, checkpoints and metrics.
 
-Design decisions:
-- **Steps are optimizer steps**, numbered 1..total after each update; every metric uses that
-  axis (RUN_SCHEMA.md). Validation runs every `eval_interval` steps and always at the last step,
-  whose value is the run's result.
-- **Resumable by construction**: batch i of the data is a pure function of (seed, i)
-  (`batch_iterator(..., start_batch)`), the learning rate a pure function of the step, and the
-  checkpoint holds the model, the optimizer, the RNG states, the step, the best validation loss
-  and the instrumentation history. A resumed run therefore computes bit-for-bit what the
-  uninterrupted run computes (on CPU; the test checks the final validation loss for equality).
-- **One host sync per optimizer step**: the step's loss is read once (it is needed to stop on a
-  non-finite loss *before* the optimizer applies a NaN gradient), everything else is logged at
-  `log_interval` from host-side sums.
-- **Throughput excludes periodic work**: `train/tokens_per_s` is tokens over the time spent in
-  training steps; validation, instrumentation and checkpoints are timed apart and do not dilute it.
-- The loop talks to the outside through the tracker (NullTracker when off), `harness.pruning`
-  (a no-op outside a sweep) and the run folder; it never imports MLflow or Hydra.
-- **Data parallelism is a strategy object** (`self.parallel`, harness/distributed.py): one
-  process (`Local`: the loop exactly as without it), DDP or FSDP2 under torchrun. The loop asks
-  it for its batches, its share of the held-out set, the loss and stop decision agreed by all
-  ranks, and the model and optimizer states; rank 0 alone logs (the others hold a NullTracker)
-  and writes (the others' run folder is read-only).
-- Test hook: ATTNRES_TEST_KILL_AT_STEP=N ends the process with os._exit(137) right after step N,
-  without flushing or closing anything: what kill -9 does, deterministically.
+Steps are optimizer steps. A run is resumable by construction (batches a function of (seed, i),
+the learning rate of the step), so a resumed CPU run is bit-identical. The loop reaches the
+outside only through the tracker, `harness.pruning`, the run folder and its data-parallel
+strategy (`self.parallel`); it never imports MLflow or Hydra.
 """
 from __future__ import annotations
 
@@ -45,7 +26,7 @@ from harness.config import RunSpec, rank, to_plain
 from harness.data import MultiHopProbe, TokenData, val_batches
 from harness.optim import build_optimizer, lr_multiplier, set_lr
 
-KILL_ENV = "ATTNRES_TEST_KILL_AT_STEP"
+KILL_ENV = "ATTNRES_TEST_KILL_AT_STEP"  # tests: os._exit(137) after step N, flushing nothing, as kill -9 does
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,9 @@
 """What every section of REPORT.md is made of: a Section (its Markdown, files and the Claims of the
 paper it checks), the verdict rule, and the writers of its tables and figure links.
 
-Verdicts follow one rule everywhere: a claim of the paper *agrees* when our runs show the same
-direction with a 95% interval (or a 5%-level test) that excludes the opposite, *does not agree*
-when they show the opposite direction at that level, and is *inconclusive* otherwise. Where only a
-point estimate exists the verdict is *inconclusive* and the claim says why: the cells of Fig. 7
-are one run each, so a cell counts as a win or a loss, and an optimum as located, only beyond a
-seed-noise interval, which needs shapes trained with several seeds among the runs; the depth
-weights of Fig. 8 are one number per run, with an interval only over two or more runs.
+A claim *agrees* when a 95% interval (or a 5%-level test) excludes the opposite direction, *does
+not agree* when it excludes the paper's, and is *inconclusive* otherwise, including wherever only
+a point estimate exists.
 """
 from __future__ import annotations
 

@@ -1,41 +1,9 @@
 """A synthetic multi-hop probe: does depth routing help a model follow chains of assignments?
 
-An example is a shuffled list of single-letter variable assignments and a query; the answer is a
-digit that can only be found by following k assignments, e.g. (k = 4)
-
-    c=b;x=3;a=7;d=c;b=a;y=x;?d=7
-
-(d=c, c=b, b=a, a=7: four hops; x, y are a distractor chain). Examples are separated by a newline
-and tokenised byte-level (vocabulary 256), so the probe runs with the default model unchanged.
-
-Design decisions:
-- k counts the assignments on the path from the queried variable to its digit: k = 1 is a direct
-  lookup ("a=7;…;?a="). Every variable is assigned exactly once, so the path, and therefore k, is
-  unique; `resolve` recomputes both from the text alone, which is what the tests check.
-- Every example has exactly n_vars statements, each three characters ("x=y" or "x=7"), so all
-  examples, whatever k, have the same length: the only thing that varies with k is the depth of the
-  dependency, not the sequence length or the number of distractors. It also makes evaluation batches
-  rectangular, with no padding.
-- The variables not on the target chain form distractor chains with random lengths from 1 to
-  max(hops), so the target chain is not recognisable by its length. Their digits are drawn from the
-  nine digits other than the answer: the answer appears exactly once in the text, and a model that
-  picks "a digit it saw" without following the chain scores near chance.
-- Variable names are a random sample of the 26 letters and the statement order is shuffled, so
-  neither alphabet nor position gives the chain away.
-- Generation uses random.Random seeded with a string naming (seed, split, k); Python seeds string
-  seeds through SHA-512, so the examples are identical on every machine and every run. Training
-  examples that coincide with a validation prompt are regenerated, so accuracy is measured on
-  prompts never trained on.
-- The validation split is the scored set: val_examples split evenly over the hop counts. Its text
-  also gives the held-out loss.
-- `queries` > 0 appends that many more queries after the answer, each about another variable
-  (any depth) with its own answer: "…;?d=7?x=3?b=7". One answer in 4·n_vars + 5 tokens gives
-  the lookup almost no gradient beside the unpredictable statements; extra answers multiply it
-  at the same length for every example. They sit after the scored query, so the prompts accuracy()
-  feeds are the prefix the model trained on, and the scored answer is still the first one.
-- accuracy() feeds "\\n" + prompt (an example start as the model saw it during training, where
-  examples follow one another) and decodes the answer greedily; an answer counts only if every
-  answer token is the argmax.
+An example is a shuffled list of single-letter assignments and a query whose digit answer takes
+k hops to find, e.g. (k = 4) ``c=b;x=3;a=7;d=c;b=a;y=x;?d=7``. Every example has the same length
+whatever k, distractor chains hide the target's length, and generation is seeded by string
+(SHA-512), so examples are identical on every machine; docs/DATA.md gives the rules.
 """
 from __future__ import annotations
 

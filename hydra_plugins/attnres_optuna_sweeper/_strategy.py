@@ -1,22 +1,8 @@
 """The search strategy: Optuna sampler and pruner objects built from ``hydra.sweeper`` settings.
 
-Design decisions:
-* A fresh sampler per study. Samplers carry state (random generator, CMA-ES's population), and a
-  seeded sampler per study means every grid cell starts from the same points.
-* **A seeded sampler draws trial n from the seed (seed, n)**, not from one stream that starts at
-  the seed in every process. A stream restarted by every process would hand a resumed or extended
-  study (a rerun after Ctrl-C, a larger n_trials) the points of its first trials again, and two
-  workers with the same seed the same points at once (the harness then answers a repeated config
-  with its recorded result, or refuses it as busy). Trial numbers are unique in a study, so each
-  trial gets its own draws, and trial n of every grid cell still gets the same ones.
-* The grid sampler is bounded by the sweeper, not by Optuna: the sweeper caps ``n_trials`` at the
-  grid's size, and the sampler's own "grid exhausted" hook is switched off, because it calls
-  ``Study.stop()``, which raises outside ``Study.optimize`` (the sweeper uses ask/tell).
-* Options that only make sense for some classes are passed to those classes only; ``kwargs`` goes
-  to the chosen class, and a wrong keyword comes back as one configuration error line.
-* **The median pruner waits for at most half the study** (``n_trials // 2``, at least 1), so a
-  short study prunes at all, and **prunes only with a margin**: a trial must be worse than the
-  median by ``margin`` × |median|, so neighbours of the best point, a little worse by noise, run on.
+Each study gets a fresh sampler; a seeded one draws trial n from the seed (seed, n), so a resumed
+study or a second worker never repeats earlier trials' points. The sweeper, not Optuna, bounds the
+grid, and the median pruner prunes only beyond a margin (docs/SWEEPER.md).
 """
 
 from __future__ import annotations
@@ -103,6 +89,7 @@ def make_sampler(conf: SamplerConf, dimensions: tuple[Dimension, ...]) -> BaseSa
         # The grid sampler's seed shuffles the grid: a grid id names one point only under one seed.
         return _make_sampler(conf, dimensions, conf.seed)
     _make_sampler(conf, dimensions, conf.seed)  # bad options are refused here, not at the 1st trial
+    # One stream per trial number: a stream restarted in every process would repeat earlier trials.
     return _PerTrialSeedSampler(lambda seed: _make_sampler(conf, dimensions, seed), conf.seed)
 
 

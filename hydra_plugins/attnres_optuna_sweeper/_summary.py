@@ -1,8 +1,6 @@
-"""The end-of-sweep summary: one row per grid cell, printed and written to the sweep folder.
-
-Design decision: the rows are computed from the storage, not from what this process ran, so the
-summary of a resumed sweep or of one worker among several describes the whole study.
-Written as ``optuna_summary.md`` (the printed table) and ``optuna_summary.json`` (for scripts).
+"""The end-of-sweep summary: one row per grid cell, printed and written to the sweep folder
+(``optuna_summary.md`` and ``optuna_summary.json``). Rows come from the storage, not from what this
+process ran, so a resumed sweep's or one worker's summary describes the whole study.
 """
 
 from __future__ import annotations
