@@ -9,7 +9,7 @@
  * a training step runs one per sublayer. Here each row is read once forward (its sum of squares,
  * then its output while it is in L1) and once backward.
  *
- * Design decisions:
+ * How:
  * - ρ per row is an output: the backward reuses it instead of recomputing the root, and it is all
  *   the backward needs beside x, g and w (x is saved, as torch's own RMSNorm saves it).
  * - dw does not depend on the thread count: the k token ranges (one per OpenMP thread, see

@@ -8,7 +8,7 @@
  *     res  = Sinkhorn-Knopp(exp(α_res·z[2n:] + b − max)),   h = Σ_k pre_k · H_k        ("mix")
  *     H'_i = post_i · v + Σ_j res_ij · H_j                                           ("update")
  *
- * Design decisions:
+ * How:
  * - Everything that is per token and small (gates, sigmoid, the n×n Sinkhorn iterations) runs on
  *   tiles of TT tokens laid out token-last, a[k][lane]: every loop over a matrix entry is a loop
  *   over TT lanes that the compiler vectorises, and all 2·iters normalisation steps of a tile stay
