@@ -64,8 +64,7 @@ def test_threads_do_not_change_a_bit_of_the_result(monkeypatch, N):
     ours, _ = _norms(64, 1e-6)
     got = {}
     for threads in ("1", "2", "3"):
-        monkeypatch.setenv("ATTNRES_CPU_THREADS", threads)
-        monkeypatch.setattr(native, "MIN_TOKENS_PER_THREAD", 1)  # split even 70 tokens
+        monkeypatch.setattr(native, "threads", lambda tokens, k=int(threads): min(k, tokens))  # k token ranges, even at 70 tokens
         ours.zero_grad()
         x = x0.clone().requires_grad_()
         y = ours(x)
