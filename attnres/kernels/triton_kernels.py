@@ -351,19 +351,6 @@ def _inv_rms_fwd_kernel(x_ptr, out_ptr, n_rows, d, eps, BLOCK_T: tl.constexpr, D
     tl.store(out_ptr + rows, 1.0 / tl.sqrt(_sum(x * x, 1) / d + eps), mask=rows < n_rows)
 
 
-@triton.jit
-def _inv_rms_bwd_kernel(x_ptr, rho_ptr, drho_ptr, dx_ptr, n_rows, d, BLOCK_T: tl.constexpr, D_PAD: tl.constexpr):
-    # ρ = (mean x² + ε)^(−1/2)  ⇒  ∂ρ/∂x_c = −ρ³ x_c / d
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, D_PAD)
-    ok = (rows < n_rows)[:, None] & (cols < d)[None, :]
-    offs = rows[:, None].to(tl.int64) * d + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    rho = tl.load(rho_ptr + rows, mask=rows < n_rows, other=0.0)
-    coef = -tl.load(drho_ptr + rows, mask=rows < n_rows, other=0.0) * rho * rho * rho / d
-    tl.store(dx_ptr + offs, (coef[:, None] * x).to(dx_ptr.dtype.element_ty), mask=ok)
-
-
 # --- launchers -----------------------------------------------------------------------------------
 
 def _pow2(n: int) -> int:
@@ -654,9 +641,3 @@ def inv_rms_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def inv_rms_backward(x: torch.Tensor, rho: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    N, d = x.shape
-    dx = torch.empty_like(x)
-    block_t, warps = _rms_tiles(d)
-    _inv_rms_bwd_kernel[(triton.cdiv(N, block_t),)](x, rho, grad, dx, N, d, BLOCK_T=block_t, D_PAD=_pow2(d), num_warps=warps)
-    return dx
