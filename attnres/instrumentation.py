@@ -22,12 +22,16 @@ class DepthRecorder:
     output_rms[l]: RMS of f_l(h_l), what sublayer l writes.
     weights: (readers, columns) depth weights averaged over batch and tokens, NaN where a source
     is not visible (rows: the L sublayers then the output read).
+    entropy: (readers,) each reader's per-token entropy of its weights in nats, averaged over batch
+    and tokens (the entropy of the averaged weights would call a reader that is sharp on every token
+    but picks different sources per token "uniform").
     """
 
     def __init__(self) -> None:
         self.hidden_rms: list[float] = []
         self.output_rms: list[float] = []
         self.weights: Optional[torch.Tensor] = None
+        self.entropy: Optional[torch.Tensor] = None
 
     def sublayer(self, h: torch.Tensor, v: torch.Tensor) -> None:
         self.hidden_rms.append(rms(h))
@@ -35,5 +39,6 @@ class DepthRecorder:
 
     def depth_weights(self, weights: torch.Tensor, visible: torch.Tensor) -> None:
         """weights (readers, ..., columns) with zeros where invisible; visible (readers, columns) bool."""
-        mean = weights.detach().double().flatten(1, -2).mean(1)
-        self.weights = mean.masked_fill(~visible, float("nan"))
+        w = weights.detach().double().flatten(1, -2)  # (readers, tokens, columns)
+        self.weights = w.mean(1).masked_fill(~visible, float("nan"))
+        self.entropy = -torch.special.xlogy(w, w).sum(-1).mean(1)

@@ -140,8 +140,9 @@ class DecoderLM(nn.Module):
     # --- instrumentation ----------------------------------------------------------------------------
     @torch.no_grad()
     def inspect(self, idx: torch.Tensor) -> dict:
-        """One forward pass with the depth recorder on: depth weights averaged over tokens (None for
-        variants without them), hidden-state and output RMS per sublayer and per Transformer block."""
+        """One forward pass with the depth recorder on: depth weights averaged over tokens and each
+        reader's per-token entropy of them (None for variants without them), hidden-state and
+        output RMS per sublayer and per Transformer block."""
         rec = DepthRecorder()
         self.residual.recorder = rec
         try:
@@ -151,6 +152,7 @@ class DecoderLM(nn.Module):
         out_rms = torch.tensor(rec.output_rms, dtype=torch.float64).view(-1, 2)
         return {
             "depth_weights": None if rec.weights is None else rec.weights.tolist(),
+            "depth_entropy": None if rec.entropy is None else rec.entropy.tolist(),
             "sublayer_kind": [s.kind for s in self.sublayers] + ["out"],
             "hidden_rms_sublayer": rec.hidden_rms,
             "output_rms_sublayer": rec.output_rms,

@@ -6,6 +6,7 @@ so the whole history rides in the checkpoint and a resumed run still plots every
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ def record(model, idx: torch.Tensor, step: int, grad_norms: list[float] | None) 
     return {
         "step": int(step),
         "depth_weights": info["depth_weights"],
+        "depth_entropy": info["depth_entropy"],
         "sublayer_kind": info["sublayer_kind"],
         "output_rms_sublayer": info["output_rms_sublayer"],
         "output_rms_block": info["output_rms_block"],
@@ -32,7 +34,21 @@ def metrics(rec: Record) -> dict[str, float]:
     out = {f"depth/output_rms/block_{i:02d}": v for i, v in enumerate(rec["output_rms_block"])}
     for i, v in enumerate(rec["grad_norm_block"] or []):
         out[f"depth/grad_norm/block_{i:02d}"] = v
+    entropy = relative_entropy(rec)
+    if entropy is not None:
+        out["depth/entropy"] = entropy
     return out
+
+
+def relative_entropy(rec: Record) -> float | None:
+    """Mean over readers that see more than one source of their per-token depth-weight entropy
+    divided by log(sources seen): 1 is the uniform mean a zero query starts from, 0 one source."""
+    entropy, weights = rec.get("depth_entropy"), rec.get("depth_weights")
+    if entropy is None or weights is None:
+        return None
+    seen = [sum(1 for w in row if w == w) for row in weights]  # NaN marks a source not visible
+    ratios = [h / math.log(n) for h, n in zip(entropy, seen) if n > 1]
+    return sum(ratios) / len(ratios) if ratios else None
 
 
 def artifact_name(step: int) -> str:

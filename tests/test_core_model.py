@@ -332,6 +332,27 @@ def test_inspect_reports_depth_weights_and_magnitudes(variant):
     assert torch.isnan(w[0, 1:]).all()  # the first sublayer sees the embedding only
 
 
+@pytest.mark.parametrize("variant", ["full", "block", "block_multihead"])
+def test_inspect_depth_entropy_is_the_per_token_entropy(variant):
+    """Each reader's recorded entropy is the mean over tokens of the entropy of its weights, taken
+    from return_weights independently (float64, 1e-12); the entropy of the token-averaged weights
+    is at least that (Jensen), strictly where readers differ across tokens."""
+    m = tiny(variant).double()
+    for p in m.residual.parameters():  # away from the zero query's uniform start
+        torch.nn.init.normal_(p, std=1.0)
+    idx = tokens()
+    info = m.inspect(idx)
+    _, w = m.residual(m.embed(idx), m.sublayers, return_weights=True)
+    w = w.flatten(1, -2)
+    want = [-(x[x > 0] * x[x > 0].log()).sum().item() / x.shape[0] for x in w]
+    assert info["depth_entropy"] == pytest.approx(want, abs=1e-12)
+    mean_w = torch.tensor(info["depth_weights"], dtype=torch.float64).nan_to_num(0.0)
+    of_mean = -(torch.special.xlogy(mean_w, mean_w)).sum(1)
+    assert (of_mean >= torch.tensor(info["depth_entropy"]) - 1e-12).all()
+    assert (of_mean > torch.tensor(info["depth_entropy"]) + 1e-6).any()
+    assert info["depth_entropy"][0] == pytest.approx(0.0, abs=1e-12)  # sees the embedding only
+
+
 def test_grad_norm_per_block():
     m = tiny("block")
     _, loss = m(tokens(), tokens(1))

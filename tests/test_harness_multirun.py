@@ -1,9 +1,11 @@
 """A multirun of three tiny variants: one parent, three finished children, RUN_SCHEMA.md's records."""
 import json
+import math
 from pathlib import Path
 
 import pytest
 
+from harness import instrument
 from harness_testing import TINY, artifacts, client, metric_steps, run_cli, runs
 
 VARIANTS = ("baseline", "block", "full")
@@ -85,10 +87,25 @@ def test_instrumentation_json_follows_the_schema(multirun):
         assert rec["sublayer_kind"] == ["attn", "mlp", "attn", "mlp", "out"]
         assert len(rec["output_rms_sublayer"]) == 4
         assert len(rec["output_rms_block"]) == 2 and len(rec["grad_norm_block"]) == 2
+        entropy = c.get_metric_history(run.info.run_id, "depth/entropy")
         if run.data.params["residual.name"] == "baseline":
-            assert rec["depth_weights"] is None
+            assert rec["depth_weights"] is None and rec["depth_entropy"] is None and not entropy
         else:  # readers: 4 sublayers + the output read
-            assert len(rec["depth_weights"]) == 5
+            assert len(rec["depth_weights"]) == 5 and len(rec["depth_entropy"]) == 5
+            assert [m.step for m in entropy] == [3, 6] and all(0.0 <= m.value <= 1.0 + 1e-9 for m in entropy)
+            assert entropy[-1].value == pytest.approx(instrument.relative_entropy(rec), rel=1e-12)
+
+
+def test_relative_entropy_of_a_record():
+    """Readers that see one source are left out; each other reader's entropy is divided by the log
+    of the sources it sees (NaN = not visible): uniform is 1, one source 0."""
+    nan, ln2, ln3 = float("nan"), math.log(2), math.log(3)
+    rec = {"depth_weights": [[1, nan, nan], [0.5, 0.5, nan], [0.2, 0.3, 0.5]], "depth_entropy": [0.0, ln2, 0.0]}
+    assert instrument.relative_entropy(rec) == pytest.approx(0.5, abs=1e-15)
+    rec["depth_entropy"] = [0.0, ln2 / 2, ln3]
+    assert instrument.relative_entropy(rec) == pytest.approx(0.75, abs=1e-15)
+    assert instrument.relative_entropy({"depth_weights": None, "depth_entropy": None}) is None
+    assert instrument.relative_entropy({"depth_weights": [[1.0]], "depth_entropy": [0.0]}) is None
 
 
 def test_runs_with_depth_weights_carry_the_page_the_explorer_command_makes(multirun, tmp_path):
