@@ -137,9 +137,17 @@ def _noise(args, runset) -> int:
     table = noise.noise_table(runs, args.baseline, wanted, args.metric, tuple(args.ns), args.target)
     out = Path(args.out)
     paths = noise.write(table, out) + noise.plot(table, out, ns_max=max(32, max(args.ns)))
+    est = noise.estimators(runs, runset.histories, args.baseline, wanted, target=args.target)
+    if len(est):
+        paths += [out / "noise_estimators.csv"]
+        est.to_csv(paths[-1], index=False, float_format="%.6g")
     if note:
         print(f"note: {note}")
     print(to_markdown(noise.shown(table)), end="")
+    if len(est):
+        print("\nfinal-loss estimators (σ of same-seed differences; seeds for 80% power at the "
+              "target, and for a paired interval within ±target):")
+        print(to_markdown(est.round(4)), end="")
     print("wrote " + ", ".join(map(str, paths)))
     return 0
 

@@ -283,6 +283,21 @@ def multihop(table: pd.DataFrame, hops: list[int], out) -> list[Path]:
     return save(fig, out, "multihop_probe")
 
 
+def depth_entropy(curve: pd.DataFrame, out) -> list[Path]:
+    """``curve``: variant, step, mean, min, max of `depth/entropy` over a variant's runs."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for variant, g in curve.groupby("variant"):
+        ax.plot(g["step"], g["mean"], color=color(variant), label=f"{variant} ({int(g['count'].max())} runs)")
+        ax.fill_between(g["step"], g["min"], g["max"], color=color(variant), alpha=0.2, lw=0)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("entropy / log(sources seen)")
+    ax.legend(fontsize=7)
+    ax.set_title("Ours: how sharply depth weights choose (mean and range over runs)")
+    fig.tight_layout()
+    return save(fig, out, "depth_entropy")
+
+
 # --------------------------------------------------------------------------------------------
 # Fig. 8: depth-weight heat maps
 # --------------------------------------------------------------------------------------------

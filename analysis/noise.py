@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .significance import by_seed, mde, seeds_needed, seeds_needed_paired
+from .significance import by_seed, mde, seeds_for_half_width, seeds_needed, seeds_needed_paired
 
 SEED_COUNTS = (2, 4, 8, 16)
 
@@ -24,7 +24,8 @@ def noise_table(runs: pd.DataFrame, baseline: str = "baseline", variants=None,
     None). Columns: variant, seeds (of the variant), pairs (seeds shared with the baseline),
     sd_variant, sd_baseline, sd_unpaired (their root mean square: the σ of a two-arm design),
     sd_diff (σ of same-seed differences), corr (of the pairs), then mde_paired_n<k> and
-    mde_unpaired_n<k> for each k in ``ns``, and seeds_paired / seeds_unpaired for ``target``."""
+    mde_unpaired_n<k> for each k in ``ns``, seeds_paired / seeds_unpaired for 80% power at
+    ``target``, and seeds_halfwidth: pairs whose paired interval is expected within ±``target``."""
     base = runs[runs["variant"] == baseline]
     b = by_seed(base[metric], base["seed"])
     names = variants if variants is not None else sorted(set(runs["variant"]) - {baseline})
@@ -48,8 +49,32 @@ def noise_table(runs: pd.DataFrame, baseline: str = "baseline", variants=None,
         row["target"] = target
         row["seeds_paired"] = seeds_needed_paired(sd_d, target, level)
         row["seeds_unpaired"] = seeds_needed(sd_un, target, level)
+        row["seeds_halfwidth"] = seeds_for_half_width(sd_d, target, level)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+ESTIMATOR_EVALS = (1, 3, 6)  # the last evaluation, and means over the last 3 and 6
+
+
+def estimators(runs: pd.DataFrame, histories: pd.DataFrame, baseline: str = "baseline", variants=None,
+               evals=ESTIMATOR_EVALS, target: float = 0.03, level: float = 0.95) -> pd.DataFrame:
+    """Which final-loss estimator gives the tighter same-seed comparison: for k in ``evals``, the
+    mean of each run's last k `val/loss` evaluations (k = 1: the last one) in place of its final
+    loss, then :func:`noise_table`'s σ of same-seed differences and the seeds ``target`` needs.
+    One row per (estimator, variant); empty without histories."""
+    val = histories[histories["key"] == "val/loss"] if len(histories) else histories
+    val = val[val["run_id"].isin(runs["run_id"])] if len(val) else val
+    if val.empty:
+        return pd.DataFrame()
+    tail = val.sort_values("step").groupby("run_id")["value"]
+    rows = []
+    for k in evals:
+        est = runs.assign(estimate=runs["run_id"].map(tail.apply(lambda v: v.iloc[-k:].mean())))
+        t = noise_table(est, baseline, variants, "estimate", ns=(), target=target, level=level)
+        t.insert(0, "estimator", "last evaluation" if k == 1 else f"mean of the last {k} evaluations")
+        rows.append(t[["estimator", "variant", "pairs", "sd_diff", "corr", "seeds_paired", "seeds_halfwidth"]])
+    return pd.concat(rows, ignore_index=True)
 
 
 def plot(table: pd.DataFrame, folder, stem: str = "noise_study", ns_max: int = 32) -> list[Path]:
@@ -93,6 +118,8 @@ def shown(table: pd.DataFrame) -> pd.DataFrame:
     tgt = table["target"].iloc[0] if len(table) else np.nan
     out[f"seeds for Δ={tgt:g} paired"] = table["seeds_paired"].map(lambda x: f(x, 0))
     out[f"seeds for Δ={tgt:g} unpaired"] = table["seeds_unpaired"].map(lambda x: f(x, 0))
+    if "seeds_halfwidth" in table:
+        out[f"seeds for ±{tgt:g} paired"] = table["seeds_halfwidth"].map(lambda x: f(x, 0))
     return out
 
 

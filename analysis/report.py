@@ -39,7 +39,8 @@ class Options:
 
 # Sweep-name prefixes that feed a section under another name: the Optuna learning-rate studies
 # (`+sweep=lr`) are each variant's search over its learning rate, as the `tuned_lr` grid is.
-PREFIXES = {**{r: r for r in ROLES}, "lr": "tuned_lr"}
+# `study_cpu` is the ablation at the CPU study's recipe (sweeps/study_cpu.yaml, docs/STUDY.md).
+PREFIXES = {**{r: r for r in ROLES}, "lr": "tuned_lr", "study_cpu": "ablation"}
 
 
 def assign_roles(runs: pd.DataFrame, overrides: dict[str, str] | None = None) -> pd.Series:
@@ -144,6 +145,13 @@ def _tuned_lr_runs(fin: pd.DataFrame, abl_runs: pd.DataFrame) -> tuple[pd.DataFr
         notes.append("the ablation's runs were trained with another recipe than the grid's and do not "
                      "extend it")
     return tuned[key == top], extra, "; ".join(notes)
+
+
+def _same_recipe(runs: pd.DataFrame, of: pd.DataFrame) -> pd.DataFrame:
+    """The runs of ``runs`` trained with a recipe (CONFIG_COLUMNS) that one of ``of`` has."""
+    if runs.empty or of.empty:
+        return runs.iloc[:0]
+    return runs[_config_key(runs).isin(set(_config_key(of)))]
 
 
 def _repeats(runs: pd.DataFrame, of: pd.DataFrame) -> frozenset:
@@ -282,9 +290,12 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
                                                                   opts.n_boot, opts.seed,
                                                                   runset.adaptive)),
         ("Noise study (the ablation's recipe)", lambda: sec.noise_section(
-            abl_runs, out, opts.target_delta)),
+            abl_runs, out, opts.target_delta, histories=runset.histories)),
         ("Ablation at each variant's tuned learning rate", lambda: sec.tuned_lr_section(
             tuned, tuned_extra, paper, out, tuned_note)),
+        ("Why Full trails", lambda: sec.full_section(
+            abl_runs, tuned, tuned_extra, _same_recipe(fin[fin["section"] == "block_size"], abl_runs),
+            runset.histories, out)),
         ("Block size (paper Fig. 6)", lambda: sec.block_size_section(
             fin[fin["section"] == "block_size"], paper, out,
             _repeats(fin[fin["section"] == "block_size"], abl_runs))),

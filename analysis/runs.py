@@ -20,7 +20,7 @@ import pandas as pd
 
 from .scaling import PFLOPS_DAY
 
-HISTORY_KEYS = ("val/loss", "val/loss_by_tokens", "train/loss")
+HISTORY_KEYS = ("val/loss", "val/loss_by_tokens", "train/loss", "depth/entropy")
 NOT_TRAINING_ROLES = {"parent", "study"}  # multirun parents and Optuna studies; trials are kept
 
 # column -> (source, key), tried in order; the first one present wins.

@@ -243,6 +243,19 @@ def mde(sigma: float, n: int, paired: bool, level: float = LEVEL, power: float =
     return float(d) * sigma
 
 
+def seeds_for_half_width(sd_diff: float, half: float, level: float = LEVEL, most: int = 10_000) -> float:
+    """Seeds (pairs) whose paired t interval at ``level`` has half-width ≤ ``half`` when same-seed
+    differences scatter with ``sd_diff``: the smallest n ≥ 2 with t(n − 1)·sd_diff/√n ≤ half (the
+    expected width, taking ``sd_diff`` as known); NaN when undefined or beyond ``most``."""
+    if not (np.isfinite(sd_diff) and np.isfinite(half)) or half <= 0 or sd_diff < 0:
+        return np.nan
+    q = (1 + level) / 2
+    for n in range(2, most + 1):
+        if stats.t.ppf(q, n - 1) * sd_diff / np.sqrt(n) <= half:
+            return float(n)
+    return np.nan
+
+
 def seeds_needed_paired(sd_diff: float, delta: float, level: float = LEVEL,
                         power: float = 0.8) -> float:
     """Seeds (pairs) for a paired t test at ``level`` to detect a true difference ``delta`` with

@@ -173,3 +173,37 @@ def test_noise_command_on_the_committed_snapshot(tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+@pytest.mark.parametrize("sd, half", [(0.038, 0.03), (0.059, 0.03), (0.01, 0.03), (0.2, 0.05)])
+def test_seeds_for_half_width_is_the_first_n_whose_t_interval_fits(sd, half):
+    """The smallest n with t(0.975, n − 1)·sd/√n ≤ half: n fits, n − 1 does not (float64, exact t
+    quantiles from scipy)."""
+    from analysis.significance import seeds_for_half_width
+
+    n = int(seeds_for_half_width(sd, half))
+    width = lambda k: stats.t.ppf(0.975, k - 1) * sd / np.sqrt(k)  # noqa: E731
+    assert width(n) <= half and (n == 2 or width(n - 1) > half)
+    assert np.isnan(seeds_for_half_width(float("nan"), half)) and np.isnan(seeds_for_half_width(sd, 0.0))
+
+
+def test_estimators_average_each_runs_last_evaluations_before_pairing():
+    """With per-run evaluation noise that averages out over the last evaluations, the mean of the
+    last 3 gives a smaller σ of same-seed differences than the last evaluation alone; k = 1 is
+    the last evaluation itself."""
+    rng = np.random.default_rng(0)
+    runs, hist = [], []
+    for seed in range(12):
+        shift = rng.normal(0, 0.01)  # seed effect shared by both arms
+        for variant, delta in (("baseline", 0.0), ("block", -0.05)):
+            rid = f"{variant}{seed}"
+            evals = 1.7 + delta + shift + rng.normal(0, 0.03, 6)  # evaluation noise, independent
+            runs.append({"run_id": rid, "variant": variant, "seed": seed, "final_val_loss": evals[-1]})
+            hist += [(rid, "val/loss", 25 * (i + 1), v) for i, v in enumerate(evals)]
+    runs, hist = pd.DataFrame(runs), pd.DataFrame(hist, columns=["run_id", "key", "step", "value"])
+    est = noise.estimators(runs, hist, variants=["block"], evals=(1, 3)).set_index("estimator")
+    last = noise.noise_table(runs, variants=["block"]).iloc[0]
+    assert est.loc["last evaluation", "sd_diff"] == pytest.approx(last["sd_diff"], rel=1e-12)
+    assert est.loc["mean of the last 3 evaluations", "sd_diff"] < 0.8 * last["sd_diff"]
+    assert est["pairs"].eq(12).all()
+    assert noise.estimators(runs, hist.iloc[:0], variants=["block"]).empty

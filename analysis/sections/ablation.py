@@ -141,7 +141,7 @@ def _what_it_would_take(runs: pd.DataFrame, t: pd.DataFrame) -> str:
 
 
 def noise_section(runs: pd.DataFrame, out: Path, target: float = 0.03,
-                  comparisons=("block", "full")) -> Section:
+                  comparisons=("block", "full"), histories: pd.DataFrame | None = None) -> Section:
     """The noise study of the ablation's recipe: seed σ, same-seed-difference σ, their
     correlation, minimum detectable effects and seeds for a stated target Δ (analysis.noise)."""
     title = "Noise study (the ablation's recipe)"
@@ -161,6 +161,13 @@ def noise_section(runs: pd.DataFrame, out: Path, target: float = 0.03,
              "is itself estimated from few seeds, so these counts are as uncertain as σ is; "
              "`python -m analysis noise` recomputes them for any recipe.\n\n")
     text += _img(files, out, "noise study")
+    est = noise.estimators(runs, histories, variants=present, target=target) if histories is not None else pd.DataFrame()
+    if len(est):
+        files += _write(est, out, "noise_estimators")
+        text += ("**Which final loss to compare.** The same comparisons with each run's final loss "
+                 "taken as the last evaluation or as the mean of its last evaluations (from the runs' "
+                 "own `val/loss` histories): the estimator with the smaller σ same-seed diff needs "
+                 "fewer seeds.\n\n" + _md(est) + "\n")
     return Section(title, text, [], files)
 
 
