@@ -72,7 +72,9 @@ DEPTH_PREFIXES = {"depth/output_rms/block_": "output_rms_block_",
                   "depth/grad_norm/block_": "grad_norm_block_"}
 # Multi-hop probe accuracy per hop count k (latest evaluation = the end of training).
 PROBE_PREFIX = ("probe/acc_hop_", "probe_acc_hop_")
-TAIL_PREFIXES = (*DEPTH_PREFIXES.values(), PROBE_PREFIX[1])
+# The accuracy of answering with a random digit of the prompt, per hop count (no chain followed).
+COPY_PREFIX = ("probe/copy_hop_", "probe_copy_hop_")
+TAIL_PREFIXES = (*DEPTH_PREFIXES.values(), PROBE_PREFIX[1], COPY_PREFIX[1])
 
 
 class AnalysisInputError(Exception):
@@ -178,7 +180,7 @@ def _row(run, exp_name: str) -> dict:
     row["status"] = run.data.tags.get("attnres.status") or run.info.status
     row["start_time"] = run.info.start_time
     for metric, value in run.data.metrics.items():
-        for prefix, col in (*DEPTH_PREFIXES.items(), PROBE_PREFIX):
+        for prefix, col in (*DEPTH_PREFIXES.items(), PROBE_PREFIX, COPY_PREFIX):
             if metric.startswith(prefix):
                 row[col + metric[len(prefix):]] = value
     return row

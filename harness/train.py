@@ -203,6 +203,8 @@ class Trainer:
         if self.probe is not None:
             for k, acc in self.probe.accuracy(self.model, self.device).items():
                 metrics[f"probe/acc_hop_{k}"] = acc
+            for k, acc in self.probe.copy_accuracy().items():  # the level to beat, beside it
+                metrics[f"probe/copy_hop_{k}"] = acc
         self.tracker.log_metrics(metrics, self.step)
         self.tracker.log_metrics({"val/loss_by_tokens": loss}, tokens)
         if not math.isfinite(loss):

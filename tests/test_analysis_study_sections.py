@@ -104,16 +104,31 @@ def test_multihop_wilson_interval_pools_the_runs_prompts(tmp_path):
     table = pd.read_csv(tmp_path / "tables" / "multihop_probe.csv").set_index("variant")
     base = runs[runs.variant == "baseline"]["probe_acc_hop_1"]
     assert table.loc["baseline", "hop 1 wilson_lo"] == pytest.approx(wilson(base, 200)[1], rel=1e-5)
-    assert "The baseline at 1 hop: Wilson interval" in section.text and "above chance (0.1)" in section.text
+    assert "The baseline at 1 hop: Wilson interval" in section.text and "above chance (0.100)" in section.text
 
 
 def test_multihop_section_says_so_when_every_run_is_at_chance(tmp_path):
     runs = _probe_runs(gain=0.0)
-    assert "near chance" not in sec.multihop_section(runs, tmp_path).text  # 1-hop ≈ 0.9: learned
+    assert "No run is above chance" not in sec.multihop_section(runs, tmp_path).text  # 1-hop ≈ 0.9: learned
     cols = [c for c in runs.columns if c.startswith("probe_acc_hop_")]
     for c in cols:
         runs[c] = 0.1 + 0.01 * np.arange(len(runs)) / len(runs)
-    assert "Every run is near chance even at 1 hop" in sec.multihop_section(runs, tmp_path).text
+    assert "No run is above chance at 1 hop" in sec.multihop_section(runs, tmp_path).text
+
+
+def test_multihop_chance_is_the_copy_level_the_runs_logged(tmp_path):
+    """Runs that log probe/copy_hop_k (a random digit of the prompt) are judged against it, not
+    against one in ten: 0.25 at one hop, learned against 0.1, is at chance against a copy level
+    of 0.26, and the claims are then not tested."""
+    runs = _probe_runs(gain=0.0)
+    for c in [c for c in runs.columns if c.startswith("probe_acc_hop_")]:
+        runs[c] = 0.25 + 0.02 * (runs["variant"] == "block")
+    assert {c.verdict for c in sec.multihop_section(runs, tmp_path).claims} != {"not tested"}
+    for k in (1, 2, 3, 4):
+        runs[f"probe_copy_hop_{k}"] = 0.26 + 0.01 * k
+    section = sec.multihop_section(runs, tmp_path)
+    assert {c.verdict for c in section.claims} == {"not tested"}
+    assert "1: 0.270" in section.text
 
 
 def test_multihop_claims_are_not_tested_when_no_run_learned_the_probe(tmp_path):
@@ -125,7 +140,7 @@ def test_multihop_claims_are_not_tested_when_no_run_learned_the_probe(tmp_path):
         # block 0.02 above the baseline with tiny scatter: 'agrees' by the interval alone
         runs[c] = 0.09 + 0.02 * (runs["variant"] == "block") + 0.001 * runs["seed"]
     section = sec.multihop_section(runs, tmp_path)
-    assert "Every run is near chance even at 1 hop" in section.text
+    assert "No run is above chance at 1 hop" in section.text
     assert section.claims and {c.verdict for c in section.claims} == {"not tested"}
     assert all("at chance" in c.ours for c in section.claims)
 

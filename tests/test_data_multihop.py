@@ -146,3 +146,15 @@ def test_queries_outside_the_variables_are_a_data_error():
         MultiHopProbe(n_vars=6, queries=6)
     with pytest.raises(DataError):
         MultiHopProbe(n_vars=6, queries=-1)
+
+
+def test_copy_accuracy_is_the_mean_of_one_over_the_prompts_distinct_digits():
+    """Recomputed here from the prompts by a regular expression; exact in float64. With every
+    variable in the chain (n_vars = max hops) the answer is the prompt's only digit at that hop
+    count: copying scores 1, which is why the probe needs distractors."""
+    probe = MultiHopProbe(hops=(1, 2, 3, 4), n_vars=6, val_examples=80)
+    got = probe.copy_accuracy()
+    for k, exs in probe.val_set().items():
+        want = sum(1 / len(set(re.findall(r"[0-9]", ex.prompt))) for ex in exs) / len(exs)
+        assert got[k] == pytest.approx(want, abs=1e-15) and 0.1 <= got[k] <= 1
+    assert MultiHopProbe(hops=(1, 2, 3, 4), n_vars=4, val_examples=40).copy_accuracy()[4] == 1.0

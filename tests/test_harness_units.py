@@ -378,6 +378,8 @@ def test_multihop_data_logs_probe_accuracy_per_hop(tmp_path):
     for k in (1, 2, 3, 4):
         history = client(tmp_path).get_metric_history(run.info.run_id, f"probe/acc_hop_{k}")
         assert [m.step for m in history] == [3, 6] and all(0 <= m.value <= 1 for m in history)
+        copy = client(tmp_path).get_metric_history(run.info.run_id, f"probe/copy_hop_{k}")
+        assert [m.step for m in copy] == [3, 6] and 0.1 < copy[-1].value <= 1
 
 
 # --- OpenMP's waiting ------------------------------------------------------------------------------

@@ -170,6 +170,13 @@ class MultiHopProbe:
         }
 
     # --- scoring -------------------------------------------------------------------------------
+    def copy_accuracy(self) -> dict[int, float]:
+        """Per hop count, the accuracy of answering with a uniformly drawn digit of the prompt (the
+        answer is always one of them): what a model that follows no chain can reach, above 1/10
+        whenever the prompt holds few digits. The probe is learned at k hops only above this."""
+        return {k: sum(1 / len({c for c in ex.prompt if c in DIGITS}) for ex in exs) / len(exs)
+                for k, exs in self.val_set().items() if exs}
+
     @torch.no_grad()
     def accuracy(
         self,
