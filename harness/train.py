@@ -24,6 +24,7 @@ from attnres import DecoderLM
 from harness import distributed, instrument, pruning
 from harness.config import RunSpec, rank, to_plain
 from harness.data import MultiHopProbe, TokenData, val_batches
+from harness.data.multihop import answers_only
 from harness.optim import build_optimizer, lr_multiplier, set_lr
 
 KILL_ENV = "ATTNRES_TEST_KILL_AT_STEP"  # tests: os._exit(137) after step N, flushing nothing, as kill -9 does
@@ -96,6 +97,9 @@ class Trainer:
         # The single-process held-out set (batches of the single-process micro-batch), of which
         # each rank evaluates its share: the all-reduced loss is the single-process loss.
         held_out = val_batches(data.val, spec.data_micro_batch_size, t.seq_len, t.eval_batches)
+        # data.loss_on=answers: train and validate on the probe's answer digits only
+        self.targets = answers_only if self.cfg.data.loss_on == "answers" else (lambda x, y: y)
+        held_out = [(x, self.targets(x, y)) for x, y in held_out]
         self.val = [(x.to(self.device), y.to(self.device), n) for x, y, n in self.parallel.val_shard(held_out)]
         self.instrument_x = held_out[0][0][: t.instrument_seqs].to(self.device) if held_out else None
         self.probe = MultiHopProbe.from_config(self.cfg.data) if self.cfg.data.name == "multihop" else None
@@ -243,6 +247,7 @@ class Trainer:
                 loss_sum = torch.zeros((), device=self.device)
                 for i in range(accum):
                     x, y = next(batches)
+                    y = self.targets(x, y)
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                     with self.parallel.gradient_sync(last_micro_batch=i == accum - 1):  # DDP: once per step
                         with self._autocast():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnres import DecoderLM, ModelConfig
-from harness.data import DataConfig, MultiHopProbe, load_data, resolve
+from harness.data import DataConfig, DataError, MultiHopProbe, load_data, resolve
 from harness.data.multihop import SEPARATOR
 
 STATEMENT = re.compile(r"^[a-z]=[a-z0-9]$")
@@ -158,3 +158,26 @@ def test_copy_accuracy_is_the_mean_of_one_over_the_prompts_distinct_digits():
         want = sum(1 / len(set(re.findall(r"[0-9]", ex.prompt))) for ex in exs) / len(exs)
         assert got[k] == pytest.approx(want, abs=1e-15) and 0.1 <= got[k] <= 1
     assert MultiHopProbe(hops=(1, 2, 3, 4), n_vars=4, val_examples=40).copy_accuracy()[4] == 1.0
+
+
+def test_answers_only_keeps_exactly_the_digits_after_a_query():
+    """Targets survive only where the input ends "?v=": the scored answer and each extra query's
+    digit; every other target becomes -100 (cross-entropy's ignore index). Checked against the
+    positions found by a regular expression on the text."""
+    from harness.data.multihop import answers_only
+
+    probe = MultiHopProbe(n_vars=6, queries=2, train_examples=8, val_examples=4)
+    tokens = probe.tokens("train")[:300].long()
+    x, y = tokens[:-1][None], tokens[1:][None]
+    kept = answers_only(x, y)[0]
+    text = bytes(tokens.tolist()).decode("ascii")
+    want = {m.start(1) - 1 for m in re.finditer(r"\?[a-z]=([0-9])", text)}  # target index = char index - 1
+    assert {int(i) for i in torch.nonzero(kept != -100).flatten()} == want
+    assert torch.equal(kept[kept != -100], y[0][kept != -100]) and len(want) >= 3 * 8 // 2
+
+
+def test_loss_on_answers_needs_the_probe():
+    with pytest.raises(DataError):
+        load_data(DataConfig(name="stdlib", loss_on="answers", max_bytes=100_000), 64)
+    with pytest.raises(DataError):
+        load_data(DataConfig(name="multihop", loss_on="digits"), 128)

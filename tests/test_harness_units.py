@@ -370,6 +370,18 @@ def test_tracking_off_still_trains_and_returns_the_loss(tmp_path):
     assert os.path.exists(next((tmp_path / "ckpt").rglob("last.pt")))
 
 
+def test_loss_on_answers_trains_and_validates_on_the_answers_only(tmp_path):
+    """The same run with the loss on every token and on the answers only: both train to a finite
+    validation loss, and they differ (the same weights at step 0, other targets after)."""
+    common = ["data=multihop", "train.seq_len=64", "data.train_examples=400", "data.val_examples=40",
+              "data.max_bytes=null"]
+    losses = {}
+    for on in ("all", "answers"):
+        folder = tmp_path / on
+        losses[on] = job.run(compose(_overrides(folder, *common, f"data.loss_on={on}")))
+    assert all(math.isfinite(v) for v in losses.values()) and losses["answers"] != losses["all"]
+
+
 def test_multihop_data_logs_probe_accuracy_per_hop(tmp_path):
     overrides = _overrides(tmp_path, "data=multihop", "train.seq_len=64", "data.train_examples=400",
                            "data.val_examples=40", "data.max_bytes=null")

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 SOURCES: tuple[str, ...] = ("stdlib", "text", "shards", "nanogpt", "multihop")
+LOSS_ON: tuple[str, ...] = ("all", "answers")  # data.loss_on: which targets the loss is taken on
 
 
 class DataError(ValueError):
@@ -34,6 +35,7 @@ class DataConfig:
     val_examples: int = 800  # split evenly over `hops`; also the examples MultiHopProbe.accuracy scores
     queries: int = 0  # extra queries after each example's answer ("?v=d" for other variables): recall practice
     seed: int = 0  # seed of the example generator (not of training)
+    loss_on: str = "all"  # all tokens, or "answers": only each "?x=" query's digit (multihop)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .config import SOURCES, DataConfig, DataError, TokenData
+from .config import LOSS_ON, SOURCES, DataConfig, DataError, TokenData
 from .corpus import list_stdlib_files, list_text_files, load_corpus, stdlib_root
 from .multihop import MultiHopProbe
 from .shards import load_nanogpt, load_shard_folder
@@ -31,6 +31,11 @@ def _check_settings(cfg: DataConfig, seq_len: int) -> None:
         raise DataError(f"data.vocab_size={cfg.vocab_size}: must lie in [1, 65536] (tokens are stored as uint16)")
     if seq_len < 1:
         raise DataError(f"seq_len={seq_len}: must be positive")
+    if cfg.loss_on not in LOSS_ON:
+        raise DataError(f"data.loss_on={cfg.loss_on!r}: allowed: {', '.join(LOSS_ON)}")
+    if cfg.loss_on == "answers" and cfg.name != "multihop":
+        raise DataError(f"data.loss_on=answers needs data.name=multihop (the answers are its queries' "
+                        f"digits), got data.name={cfg.name}")
     if cfg.name in ("text", "shards", "nanogpt") and not cfg.path:
         raise DataError(f"data.path is required for data.name={cfg.name}")
 

@@ -48,6 +48,15 @@ def resolve(prompt: str) -> tuple[str, int]:
     return var, hops
 
 
+def answers_only(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The targets ``y`` of inputs ``x`` with every position but the answers set to -100, the
+    index cross-entropy ignores: a target is an answer when the input before it ends a query,
+    "?v=" (which needs the query's "?" inside the window)."""
+    answer = torch.zeros_like(y, dtype=torch.bool)
+    answer[:, 2:] = (x[:, 2:] == ord("=")) & (x[:, :-2] == ord("?"))
+    return y.masked_fill(~answer, -100)
+
+
 class MultiHopProbe:
     def __init__(
         self,
