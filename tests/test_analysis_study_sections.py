@@ -627,3 +627,27 @@ def test_the_reset_is_not_tested_without_instrumentation(tmp_path):
     runs, _ = _reset_runs([0.3, 0.6] * 4, 0.8 ** np.arange(8.0))
     claim = _reset_claim(sec.dynamics_section(runs, {}, tmp_path))
     assert claim.verdict == "not tested" and claim.ours == "no instrumentation"
+
+
+def test_tuned_lr_points_are_means_over_the_grids_seeds(tmp_path):
+    """With two seeds per grid point the best rate is the best mean, not the luckiest single run:
+    at 1e-3 one seed of Full is very low but the mean is not; the noise threshold shrinks by √2
+    for means of two (float64, 1e-12)."""
+    from analysis.paper import load_paper
+
+    rows = []
+    for v in ("baseline", "full"):
+        for s in (0, 1):
+            for lr, loss in ((1e-3, 1.5 if s == 0 else 2.5), (3e-3, 1.9), (1e-2, 2.2)):
+                rows.append({"variant": v, "seed": s, "lr": lr, "final_val_loss": loss + 0.01 * s,
+                             "sweep": "ablation" if lr == 3e-3 else "tuned_lr"})
+    runs = pd.DataFrame(rows)
+    section = sec.tuned_lr_section(runs[runs.sweep == "tuned_lr"], runs[runs.sweep == "ablation"],
+                                   load_paper(None), tmp_path)
+    t = pd.read_csv(tmp_path / "tables" / "table4_tuned_lr.csv").set_index("variant")
+    assert t.loc["full", "best_lr"] == pytest.approx(3e-3) and t.loc["full", "seeds"] == 2
+    assert t.loc["full", "loss"] == pytest.approx(1.905, abs=1e-12)
+    sigma = np.sqrt(0.01 ** 2 / 2)  # pooled over the two variants at 3e-3: each pair differs by 0.01
+    half = stats.t.ppf(0.975, 2) * sigma * np.sqrt(2 / 2)
+    ours = {c.claim: c.ours for c in section.claims}["Full AttnRes beats the baseline, each at its tuned learning rate"]
+    assert f"± {half:.4f}" in ours

@@ -203,14 +203,16 @@ def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, 
     paper_loss = paper.table4_loss()
     rows = []
     for v in abl._order(set(pool["variant"])):
-        g = pool[pool["variant"] == v].sort_values("lr")
-        best = g.loc[g["final_val_loss"].idxmin()]
+        # a grid point is the mean over the grid's seeds: the best point is not the luckiest seed
+        g = pool[pool["variant"] == v].groupby("lr")["final_val_loss"].agg(["mean", "size"]).reset_index()
+        best = g.loc[g["mean"].idxmin()]
         rows.append({"variant": v, "lrs": " ".join(f"{x:g}" for x in g["lr"]), "best_lr": best["lr"],
-                     "at_edge": best["lr"] in (g["lr"].min(), g["lr"].max()),
-                     "loss": best["final_val_loss"], "paper_loss": paper_loss.get(v, np.nan)})
+                     "at_edge": best["lr"] in (g["lr"].min(), g["lr"].max()), "seeds": int(best["size"]),
+                     "loss": best["mean"], "paper_loss": paper_loss.get(v, np.nan)})
     table = pd.DataFrame(rows)
     sigma, dof = pooled_seed_sd(ablation)
-    half = (stats.t.ppf(0.975, dof) * sigma * np.sqrt(2)) if dof else np.nan
+    n = int(table["seeds"].min())
+    half = (stats.t.ppf(0.975, dof) * sigma * np.sqrt(2 / n)) if dof else np.nan
     base = table.set_index("variant")["loss"].get("baseline", np.nan)
     table["delta"] = table["loss"] - base
     table["verdict"] = [("n/a" if v == "baseline" or not np.isfinite(half * d) else "better" if d + half < 0
@@ -218,9 +220,10 @@ def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, 
                         for v, d in zip(table["variant"], table["delta"])]
     files = _write(table, out, "table4_tuned_lr")
     text += _md(table)
-    noise = (f"±{_f(half)} (t·σ·√2 with the ablation's pooled seed σ = {_f(sigma)})" if np.isfinite(half)
+    noise = (f"±{_f(half)} (t·σ·√(2/{n}) with the ablation's pooled seed σ = {_f(sigma)})" if np.isfinite(half)
              else "nothing: no ablation runs of this recipe with two seeds of a variant give the seed noise")
-    text += (f"\nOne run per (variant, learning rate), seed {', '.join(f'{x:g}' for x in sorted(seeds))}; "
+    text += (f"\nEach point is the mean over seed{'s' if len(seeds) > 1 else ''} "
+             f"{', '.join(f'{x:g}' for x in sorted(seeds))} of its (variant, learning rate); "
              "best_lr at_edge = the best point is at an end of the grid (the optimum may lie beyond "
              f"it). Δ to the tuned baseline is judged against {noise}: *better*/*worse* only beyond it. "
              "That threshold is approximate: each loss is the best of the grid's points, a minimum that "
@@ -247,8 +250,8 @@ def tuned_lr_section(tuned: pd.DataFrame, ablation: pd.DataFrame, paper: Paper, 
             claims.append(Claim(claim, f"Δ = {_f(t.loc[v, 'delta'])}, no seed noise", "not tested"))
         else:
             d = t.loc[v, "delta"]
-            p = (float(2 * stats.t.sf(abs(d) / (sigma * np.sqrt(2)), dof))
-                 if sigma > 0 else np.nan)  # the test behind ±t·σ·√2
+            p = (float(2 * stats.t.sf(abs(d) / (sigma * np.sqrt(2 / n)), dof))
+                 if sigma > 0 else np.nan)  # the test behind ±t·σ·√(2/n)
             claims.append(Claim(claim, f"Δ = {_f(d)} ± {_f(half)}", _verdict(d - half, d + half), p))
     return Section(title, text, claims, files)
 
