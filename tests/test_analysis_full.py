@@ -35,8 +35,9 @@ def frames(full_at_low_lr=0.05, s1_gap=0.0):
 @pytest.mark.parametrize("full_at_low_lr, s1_gap, kind", [
     (0.05, 0.0, "finding"),     # above the baseline at every rate; S = 1 reproduces Full
     (-0.10, 0.0, "recipe"),     # below the baseline at lr 1e-3
-    (0.05, 0.03, "fault"),      # Block at S = 1 ends 0.03 nats from Full: the code paths differ
-    (-0.10, 0.03, "fault"),     # a fault outranks the learning rate
+    (0.05, 0.03, "finding"),    # 0.03 from Full is still beside it (Block is 0.14 away)
+    (0.05, -0.12, "fault"),     # Block at S = 1 lands beside Block: Full's own path differs
+    (-0.10, -0.12, "fault"),    # a fault outranks the learning rate
 ])
 def test_the_rule_that_decides(tmp_path, full_at_low_lr, s1_gap, kind):
     got, text, files = diagnose(*frames(full_at_low_lr, s1_gap), tmp_path)

@@ -15,7 +15,6 @@ from .section import Section, _f, _img, _md, _write
 
 TITLE = "Why Full trails the baseline: a finding or a fault"
 VARIANTS = ("baseline", "block", "full")
-SAME = 2e-3  # nats: Block at S = 1 and Full of one seed agree to this when the code paths agree
 
 
 def _paired(a: pd.Series, b: pd.Series):
@@ -93,24 +92,29 @@ def _entropy_part(ablation, histories, out):
 
 
 def _s1_part(ablation, block_size):
+    """Where Block at S = 1 lands: beside Full (the two code paths compute one function, so a
+    trailing Full is the end of the block-size curve) or beside Block (Full's own path is at
+    fault). Training amplifies rounding differences between the paths, so "beside" is the nearer of
+    the two at the same seeds, not equality."""
     s1 = block_size[(block_size["variant"] == "block") & (abl.block_size_of(block_size) == 1)]
-    full = ablation[ablation["variant"] == "full"]
-    if s1.empty or full.empty:
+    by_seed = {v: ablation[ablation["variant"] == v].groupby("seed")["final_val_loss"].mean()
+               for v in ("full", "block")}
+    if s1.empty or by_seed["full"].empty or by_seed["block"].empty:
         return "", None
     a = s1.groupby("seed")["final_val_loss"].mean()
-    b = full.groupby("seed")["final_val_loss"].mean()
-    gap = (a - b).dropna()
-    if gap.empty:
+    to_full, to_block = (a - by_seed["full"]).dropna(), (a - by_seed["block"]).dropna()
+    seeds = to_full.index.intersection(to_block.index)
+    if seeds.empty:
         return "", None
-    same = bool((gap.abs() <= SAME).all())
+    near_full, near_block = float(to_full[seeds].mean()), float(to_block[seeds].mean())
+    same = abs(near_full) < abs(near_block)
     curve = (block_size[block_size["variant"] == "block"].assign(S=abl.block_size_of(block_size))
              .groupby("S")["final_val_loss"].mean())
     text = ("**Block at S = 1.** A block of one sublayer is Full computed by the Block code path. "
-            f"Over seeds {', '.join(f'{s:g}' for s in gap.index)}, Block at S = 1 ends "
-            f"{_f(float(gap.mean()), 4)} from Full (largest |gap| {_f(float(gap.abs().max()), 4)}; "
-            f"the two paths agree {'within' if same else 'beyond'} {SAME:g} nats). Mean loss by S on "
-            "the block-size curve: " + ", ".join(f"S = {s:g}: {v:.4f}" for s, v in curve.items())
-            + ".\n\n")
+            f"Over seeds {', '.join(f'{s:g}' for s in seeds)}, Block at S = 1 ends "
+            f"{_f(near_full)} from Full and {_f(near_block)} from Block (S = 4) at the same seeds: "
+            f"it lands beside {'Full' if same else 'Block'}. Mean loss by S on the block-size curve: "
+            + ", ".join(f"S = {s:g}: {v:.4f}" for s, v in curve.items()) + ".\n\n")
     return text, same
 
 
