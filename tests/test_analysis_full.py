@@ -14,9 +14,9 @@ def run(variant, seed, loss, lr=3e-3, sweep="study_cpu", block_size=4):
                 seed=seed, lr=lr, final_val_loss=loss, block_size=block_size, **RECIPE)
 
 
-def frames(full_at_low_lr=0.05, s1_gap=0.0):
+def frames(full_at_low_lr=0.05, s1_gap=0.0, scatter=0.0):
     base = {0: 1.70, 1: 1.69, 2: 1.72, 3: 1.68}
-    ablation = pd.DataFrame([run(v, s, base[s] + d + 0.01 * (s % 2))
+    ablation = pd.DataFrame([run(v, s, base[s] + d + 0.01 * (s % 2) + (v == "full") * scatter * (-1) ** (s // 2))
                              for s in base for v, d in (("baseline", 0.0), ("block", -0.07), ("full", 0.07))])
     tuned = pd.DataFrame([run(v, s, base[s] + d, lr=lr, sweep="tuned_lr")
                           for s in (0, 1) for lr, fd in ((1e-3, full_at_low_lr), (1e-2, 0.2))
@@ -62,3 +62,12 @@ def test_missing_parts_leave_it_undecided(tmp_path):
     assert kind == "undecided"
     kind, _, _ = diagnose(ablation[ablation.variant != "full"], tuned, extra, block_size, histories, tmp_path)
     assert kind == "undecided"
+
+
+def test_a_grid_within_the_ablations_noise_decides_nothing(tmp_path):
+    """Full's same-seed differences in the ablation scatter by ±0.2: two seeds per grid point
+    cannot place Full above or below the baseline at any rate, so the rule does not say *finding*."""
+    kind, _, _ = diagnose(*frames(full_at_low_lr=0.05, scatter=0.2), tmp_path)
+    assert kind == "undecided"
+    table = pd.read_csv(tmp_path / "tables" / "full_lr.csv")
+    assert (table["±"] > table["full − baseline"].abs()).all()

@@ -8,27 +8,34 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
 
 
-def test_the_committed_report_regenerates_from_the_snapshot(tmp_path):
-    snapshot = RESULTS / "runs.csv"
+# The committed study, and the re-run at the study's design while it is in progress (rerun/).
+STUDIES = [RESULTS] + [RESULTS / "rerun"] * (RESULTS / "rerun" / "runs.csv").is_file()
+
+
+@pytest.mark.parametrize("folder", STUDIES, ids=lambda f: f.name)
+def test_the_committed_report_regenerates_from_the_snapshot(tmp_path, folder):
+    results = folder
+    snapshot = results / "runs.csv"
     assert snapshot.is_file(), "results/runs.csv is missing: run results/reproduce.sh"
     out = tmp_path / "results"
     # The command README's "Reproduce" section gives, into a fresh folder.
     done = subprocess.run([sys.executable, "-m", "analysis", "report", "--snapshot", str(snapshot),
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (out / "REPORT.md").read_text() == (RESULTS / "REPORT.md").read_text()
-    committed = sorted(p.relative_to(RESULTS) for p in (RESULTS / "tables").rglob("*") if p.is_file())
+    assert (out / "REPORT.md").read_text() == (results / "REPORT.md").read_text()
+    committed = sorted(p.relative_to(results) for p in (results / "tables").rglob("*") if p.is_file())
     regenerated = sorted(p.relative_to(out) for p in (out / "tables").rglob("*") if p.is_file())
     assert committed == regenerated
     for rel in committed:
-        assert (out / rel).read_bytes() == (RESULTS / rel).read_bytes(), rel
+        assert (out / rel).read_bytes() == (results / rel).read_bytes(), rel
     # Figures: the same set, each non-trivial (their bytes may differ in metadata only).
-    figs = sorted(p.name for p in (RESULTS / "figures").glob("*.png"))
+    figs = sorted(p.name for p in (results / "figures").glob("*.png"))
     assert figs == sorted(p.name for p in (out / "figures").glob("*.png"))
     assert all((out / "figures" / f).stat().st_size > 5_000 for f in figs)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from .. import ablation as abl
 from .. import figures
@@ -32,36 +33,53 @@ def _by_lr(ablation: pd.DataFrame, tuned: pd.DataFrame) -> pd.DataFrame:
     return runs.pivot_table(index=["lr", "seed"], columns="variant", values="final_val_loss")
 
 
+def _diff_sd(ablation: pd.DataFrame, a: str, b: str) -> tuple[float, int]:
+    """σ of same-seed differences a − b over the ablation's seeds, and its degrees of freedom."""
+    by = {v: ablation[ablation["variant"] == v].groupby("seed")["final_val_loss"].mean() for v in (a, b)}
+    d = (by[a] - by[b]).dropna()
+    return (float(d.std(ddof=1)), len(d) - 1) if len(d) > 1 else (np.nan, 0)
+
+
 def _lr_part(ablation, tuned, out):
+    """Each rate's same-seed mean of full − baseline (and full − block), its 95% interval from the
+    ablation's σ of those differences (a grid point has two seeds or so, too few for its own σ;
+    this assumes the scatter is the same at every rate). above: True when Full is above the
+    baseline at every rate, False when it is below at some rate, None when the grid cannot tell."""
     if tuned.empty or not {"baseline", "full"} <= set(tuned["variant"]):
         return "", [], None
     grid = _by_lr(ablation, tuned)
     if grid.empty or "full" not in grid or "baseline" not in grid:
         return "", [], None
-    rows = []
+    rows, sds = [], {b: _diff_sd(ablation, "full", b) for b in ("baseline", "block")}
     for lr, g in grid.groupby(level="lr"):
         g = g.droplevel("lr")
         row = {"lr": lr, "seeds": len(g)}
         for v in VARIANTS:
             row[v] = float(g[v].mean()) if v in g else np.nan
-        row["full − baseline"], row["±"], _ = _paired(g["full"], g["baseline"])
-        if "block" in g:
-            row["full − block"], row["± "], _ = _paired(g["full"], g["block"])
+        for b, col in (("baseline", "±"), ("block", "± ")):
+            if b in g:
+                sd, dof = sds[b]
+                row[f"full − {b}"] = float((g["full"] - g[b]).mean())
+                row[col] = float(stats.t.ppf(0.975, dof) * sd / np.sqrt(len(g))) if dof else np.nan
         rows.append(row)
     table = pd.DataFrame(rows)
     files = _write(table, out, "full_lr")
     best = table.loc[table["full"].idxmin()]
     edge = best["lr"] in (table["lr"].min(), table["lr"].max())
-    above = bool((table["full − baseline"] > 0).all())
+    lo, hi = table["full − baseline"] - table["±"], table["full − baseline"] + table["±"]
+    above = True if (lo > 0).all() else False if (hi < 0).any() else None
+    sd, dof = sds["baseline"]
     text = ("**Learning rate.** Full, Block and the baseline at each rate of the grid (the ablation's "
             "runs at the shared rate and sweep `tuned_lr` at the others, the same recipe), on the seeds "
-            "trained at every rate; full − baseline and full − block are same-seed means with their 95% "
-            "t half-width:\n\n" + _md(table) + "\n"
+            "trained at every rate; full − baseline and full − block are same-seed means, ± the 95% "
+            f"t half-width from the ablation's σ of those differences (full − baseline: {_f(sd)}, "
+            f"{dof} degrees of freedom):\n\n" + _md(table) + "\n"
             f"Full's best rate on this grid is {best['lr']:g}{' (an end of the grid)' if edge else ''}; "
             + ("Full ends above the baseline at every rate tried, so the shared rate does not explain "
                "the gap.\n\n" if above else
-               "at some rate Full is not above the baseline, so part of the gap is the shared learning "
-               "rate.\n\n"))
+               "at some rate Full ends below the baseline, so part of the gap is the shared learning "
+               "rate.\n\n" if above is False else
+               "at some rate the grid cannot tell Full from the baseline.\n\n"))
     return text, files, above
 
 
@@ -124,8 +142,9 @@ KINDS = ("fault", "recipe", "finding", "undecided")
 def diagnose(ablation: pd.DataFrame, tuned: pd.DataFrame, tuned_extra: pd.DataFrame,
              block_size: pd.DataFrame, histories: pd.DataFrame, out: Path) -> tuple[str, str, list[Path]]:
     """(kind, Markdown, files). kind (KINDS): *fault* when Block at S = 1 ends elsewhere than Full at
-    the same seeds; else *recipe* when at some learning rate of the grid Full is not above the
-    baseline; else *finding* when it is above at every rate and S = 1 agrees; else *undecided*.
+    the same seeds; else *recipe* when at some learning rate of the grid Full is below the baseline
+    (95%); else *finding* when it is above at every rate (95%) and S = 1 lands beside Full; else
+    *undecided*.
     ablation: the ablation's runs; tuned, tuned_extra: the learning-rate grid and the ablation's
     runs of its recipe (report.py); block_size: block-size runs of the ablation's recipe."""
     gap, hw, n = _paired(*(ablation[ablation["variant"] == v].groupby("seed")["final_val_loss"].mean()
@@ -138,15 +157,15 @@ def diagnose(ablation: pd.DataFrame, tuned: pd.DataFrame, tuned_extra: pd.DataFr
     ent_text, ent_files, sharper = _entropy_part(ablation, histories, out)
     s1_text, same = _s1_part(ablation, block_size)
     text += lr_text + ent_text + s1_text
-    missing = [name for name, x in (("the learning-rate grid", above_everywhere),
-                                    ("the depth-weight entropy", sharper),
-                                    ("Block at S = 1", same)) if x is None]
+    missing = [name for name, part in (("the learning-rate grid", lr_text),
+                                       ("the depth-weight entropy", ent_text),
+                                       ("Block at S = 1", s1_text)) if not part]
     if same is False:
         kind, verdict = "fault", ("**A fault to find**: Block at S = 1 should compute what Full "
                                   "computes, and its runs end elsewhere.")
     elif above_everywhere is False:
-        kind, verdict = "recipe", ("**Partly the recipe**: at another learning rate Full is not above "
-                                   "the baseline; the ablation's shared rate is not Full's.")
+        kind, verdict = "recipe", ("**Partly the recipe**: at another learning rate Full is below the "
+                                   "baseline; the ablation's shared rate is not Full's.")
     elif above_everywhere and same:
         kind, verdict = "finding", (
             "**A finding at this scale, not a fault**: Full trails at every learning rate tried, "
