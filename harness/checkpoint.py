@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from harness.config import flatten
-from harness.config import NOT_IDENTITY
+from harness.config import NEUTRAL, NOT_IDENTITY
 from harness.pruning import TrialNotRun
 from harness.config import PROJECT_ROOT
 
@@ -93,7 +93,8 @@ def _feed(h, value: Any) -> None:
 
 def run_key(plain: dict[str, Any]) -> str:
     """A short, stable hash of the config's identity keys."""
-    identity = {k: v for k, v in flatten(plain).items() if not k.startswith(NOT_IDENTITY)}
+    identity = {k: v for k, v in flatten(plain).items()
+                if not k.startswith(NOT_IDENTITY) and not (k in NEUTRAL and v == NEUTRAL[k])}
     blob = json.dumps(identity, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

@@ -116,6 +116,10 @@ def register_resolvers() -> None:
 # --- Which config keys make a run what it is
 # Keys that do not change what a run computes (prefixes of flattened keys): a run's folder
 # (harness.checkpoint.run_key) and an Optuna study's fixed overrides ignore them.
+# Options added after runs existed, at the value that computes what those runs computed: a run
+# at that value keeps the key it had before the option existed (a study resumed after an update
+# finds its finished runs instead of training them again).
+NEUTRAL = {"data.loss_on": "all"}
 NOT_IDENTITY = (
     "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
     "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",

@@ -251,3 +251,20 @@ def test_cli_bad_data_exits_2_before_anything_runs(tmp_path, args, expected):
     assert result.returncode != 0
     assert expected in result.stderr
     _nothing_written(tmp_path)
+
+
+def test_an_option_at_its_neutral_value_leaves_the_run_key_as_it_was_before_the_option():
+    """A config without data.loss_on (a run from before the option) and the same config with
+    data.loss_on=all compute the same thing and share a key; loss_on=answers is another run."""
+    import copy
+
+    from harness.checkpoint import run_key
+    from harness.config import NEUTRAL
+
+    plain = {"data": {"name": "multihop", "n_vars": 12}, "train": {"seed": 0, "threads": 1}}
+    assert NEUTRAL["data.loss_on"] == "all"
+    with_option = copy.deepcopy(plain)
+    with_option["data"]["loss_on"] = "all"
+    assert run_key(with_option) == run_key(plain)
+    with_option["data"]["loss_on"] = "answers"
+    assert run_key(with_option) != run_key(plain)
