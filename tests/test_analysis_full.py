@@ -14,11 +14,12 @@ def run(variant, seed, loss, lr=3e-3, sweep="study_cpu", block_size=4):
                 seed=seed, lr=lr, final_val_loss=loss, block_size=block_size, **RECIPE)
 
 
-def frames(full_at_low_lr=0.05, s1_gap=0.0, scatter=0.0):
+def frames(full_at_low_lr=0.05, s1_gap=0.0, scatter=0.0, baseline_fails_high=0.0):
     base = {0: 1.70, 1: 1.69, 2: 1.72, 3: 1.68}
     ablation = pd.DataFrame([run(v, s, base[s] + d + 0.01 * (s % 2) + (v == "full") * scatter * (-1) ** (s // 2))
                              for s in base for v, d in (("baseline", 0.0), ("block", -0.07), ("full", 0.07))])
-    tuned = pd.DataFrame([run(v, s, base[s] + d, lr=lr, sweep="tuned_lr")
+    tuned = pd.DataFrame([run(v, s, base[s] + d + (v == "baseline" and lr == 1e-2) * baseline_fails_high,
+                              lr=lr, sweep="tuned_lr")
                           for s in (0, 1) for lr, fd in ((1e-3, full_at_low_lr), (1e-2, 0.2))
                           for v, d in (("baseline", 0.03), ("block", -0.04), ("full", 0.03 + fd))])
     full_loss = ablation[ablation.variant == "full"].set_index("seed")["final_val_loss"]
@@ -71,3 +72,12 @@ def test_a_grid_within_the_ablations_noise_decides_nothing(tmp_path):
     assert kind == "undecided"
     table = pd.read_csv(tmp_path / "tables" / "full_lr.csv")
     assert (table["±"] > table["full − baseline"].abs()).all()
+
+
+def test_a_rate_where_the_baseline_fails_is_not_one_where_full_wins(tmp_path):
+    """The baseline 0.5 nats worse at lr 1e-2 puts Full below it there; each at its own best rate
+    Full still trails, so the rule says *finding*, not *recipe*."""
+    kind, _, _ = diagnose(*frames(baseline_fails_high=0.5), tmp_path)
+    assert kind == "finding"
+    table = pd.read_csv(tmp_path / "tables" / "full_lr.csv").set_index("lr")
+    assert table.loc[1e-2, "full − baseline"] < 0
