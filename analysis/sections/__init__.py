@@ -4,12 +4,12 @@ writes the section's tables and figure, and returns its Markdown plus the paper'
 from .ablation import ablation_section, block_size_section, noise_section, tuned_lr_section
 from .architecture import arch_section
 from .curves import curves_section
-from .full import full_section
 from .depth import depth_section, dynamics_section
+from .full import full_section
 from .probe import multihop_section
 from .scaling import scaling_section
 from .section import Claim, Section
 
 __all__ = ["Claim", "Section", "ablation_section", "arch_section", "block_size_section",
-           "curves_section", "depth_section", "full_section", "dynamics_section", "multihop_section", "noise_section",
-           "scaling_section", "tuned_lr_section"]
+           "curves_section", "depth_section", "dynamics_section", "full_section", "multihop_section",
+           "noise_section", "scaling_section", "tuned_lr_section"]

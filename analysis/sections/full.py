@@ -11,16 +11,17 @@ from scipy import stats
 
 from .. import ablation as abl
 from .. import figures
-from ..significance import t_interval
+from ..significance import by_seed, paired_t
 from .section import Section, _f, _img, _md, _write
 
 TITLE = "Why Full trails the baseline: a finding or a fault"
 VARIANTS = ("baseline", "block", "full")
 
 
-def _paired(a: pd.Series, b: pd.Series):
-    """(mean, 95% t half-width, n) of a − b over the seeds both have (index: seed)."""
-    return t_interval((a - b).dropna().to_numpy())
+def _seeds(runs: pd.DataFrame, variant: str) -> pd.Series:
+    """A variant's final loss by seed (significance.by_seed)."""
+    g = runs[runs["variant"] == variant]
+    return by_seed(g["final_val_loss"], g["seed"])
 
 
 def _by_lr(ablation: pd.DataFrame, tuned: pd.DataFrame) -> pd.DataFrame:
@@ -35,8 +36,7 @@ def _by_lr(ablation: pd.DataFrame, tuned: pd.DataFrame) -> pd.DataFrame:
 
 def _diff_sd(ablation: pd.DataFrame, a: str, b: str) -> tuple[float, int]:
     """σ of same-seed differences a − b over the ablation's seeds, and its degrees of freedom."""
-    by = {v: ablation[ablation["variant"] == v].groupby("seed")["final_val_loss"].mean() for v in (a, b)}
-    d = (by[a] - by[b]).dropna()
+    d = (_seeds(ablation, a) - _seeds(ablation, b)).dropna()
     return (float(d.std(ddof=1)), len(d) - 1) if len(d) > 1 else (np.nan, 0)
 
 
@@ -120,12 +120,11 @@ def _s1_part(ablation, block_size):
     fault). Training amplifies rounding differences between the paths, so "beside" is the nearer of
     the two at the same seeds, not equality."""
     s1 = block_size[(block_size["variant"] == "block") & (abl.block_size_of(block_size) == 1)]
-    by_seed = {v: ablation[ablation["variant"] == v].groupby("seed")["final_val_loss"].mean()
-               for v in ("full", "block")}
-    if s1.empty or by_seed["full"].empty or by_seed["block"].empty:
+    full, block = _seeds(ablation, "full"), _seeds(ablation, "block")
+    if s1.empty or full.empty or block.empty:
         return "", None
-    a = s1.groupby("seed")["final_val_loss"].mean()
-    to_full, to_block = (a - by_seed["full"]).dropna(), (a - by_seed["block"]).dropna()
+    a = _seeds(s1, "block")
+    to_full, to_block = (a - full).dropna(), (a - block).dropna()
     seeds = to_full.index.intersection(to_block.index)
     if seeds.empty:
         return "", None
@@ -152,13 +151,12 @@ def diagnose(ablation: pd.DataFrame, tuned: pd.DataFrame, tuned_extra: pd.DataFr
     *undecided*.
     ablation: the ablation's runs; tuned, tuned_extra: the learning-rate grid and the ablation's
     runs of its recipe (report.py); block_size: block-size runs of the ablation's recipe."""
-    gap, hw, n = _paired(*(ablation[ablation["variant"] == v].groupby("seed")["final_val_loss"].mean()
-                           for v in ("full", "baseline")))
+    gap, hw, _, n = paired_t(_seeds(ablation, "full"), _seeds(ablation, "baseline"))
     if not np.isfinite(gap):
         return "undecided", "No ablation runs of Full and the baseline at shared seeds.\n\n", []
     text = (f"In the ablation Full − baseline = {_f(gap)} ± {_f(hw)} nats over {n} shared seeds. "
             "Three of the study's runs tell whether that is the recipe, the code, or the variant:\n\n")
-    lr_text, lr_files, above_everywhere = _lr_part(tuned_extra, tuned, out)
+    lr_text, lr_files, above = _lr_part(tuned_extra, tuned, out)
     ent_text, ent_files, sharper = _entropy_part(ablation, histories, out)
     s1_text, same = _s1_part(ablation, block_size)
     text += lr_text + ent_text + s1_text
@@ -168,10 +166,10 @@ def diagnose(ablation: pd.DataFrame, tuned: pd.DataFrame, tuned_extra: pd.DataFr
     if same is False:
         kind, verdict = "fault", ("**A fault to find**: Block at S = 1 should compute what Full "
                                   "computes, and its runs end elsewhere.")
-    elif above_everywhere is False:
+    elif above is False:
         kind, verdict = "recipe", ("**The recipe**: at its own best learning rate Full ends below the "
                                    "baseline at its own; the ablation's shared rate is not Full's.")
-    elif above_everywhere and same:
+    elif above and same:
         kind, verdict = "finding", (
             "**A finding at this scale, not a fault**: Full trails with each at its best learning rate, "
             "and the Block code path at S = 1 reproduces it"

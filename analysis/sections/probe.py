@@ -25,6 +25,8 @@ def _level(runs: pd.DataFrame, k: int) -> float:
     (probe_copy_hop_k, logged by the runs), else one of ten digits for runs that predate it."""
     col = f"probe_copy_hop_{k}"
     return float(runs[col].mean()) if col in runs and runs[col].notna().any() else CHANCE
+
+
 # Held-out prompts per hop count of a run: data.val_examples over the hop counts, 800 / 4 on the
 # default probe; a snapshot column probe_examples_per_hop overrides it.
 EXAMPLES_PER_HOP = 200
