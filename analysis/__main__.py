@@ -1,4 +1,4 @@
-"""Command line: ``python -m analysis {report,export,noise} ...``.
+"""Command line: ``python -m analysis {report,export,merge,noise} ...``.
 
 Exit status: 0 on success; 2 on bad input (missing file, unknown experiment, no runs, bad
 arguments), with one line on stderr naming the problem; 1 when the report was written but a
@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .runs import AnalysisInputError, export_snapshot, import_snapshot, load_runset
+from .runs import AnalysisInputError, export_snapshot, import_snapshot, load_runset, merge_snapshots
 
 
 def _role(text: str) -> tuple[str, str]:
@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="snapshot runs into a CSV (+ history and instrumentation)")
     _source(exp, snapshot=False)
     exp.add_argument("--out", required=True, help="CSV path, e.g. results/runs.csv")
+    mer = sub.add_parser("merge", help="one snapshot from snapshots of different stores")
+    mer.add_argument("snapshots", nargs="+", metavar="CSV", help="run CSVs written by `export`")
+    mer.add_argument("--out", required=True, help="CSV path of the merged snapshot")
     return ap
 
 
@@ -155,7 +158,12 @@ def _noise(args, runset) -> int:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        _check_out(Path(args.out).expanduser().absolute(), folder=args.command != "export")
+        _check_out(Path(args.out).expanduser().absolute(), folder=args.command not in ("export", "merge"))
+        if args.command == "merge":
+            runset = merge_snapshots(args.snapshots)
+            paths = export_snapshot(runset, args.out)
+            print(f"wrote {len(runset.runs)} runs to {', '.join(map(str, paths))}")
+            return 0
         if args.command == "noise":
             _noise_options(args)
         if args.command == "report":  # check options before the (slow) loading of runs

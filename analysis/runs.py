@@ -324,6 +324,27 @@ def export_snapshot(runset: RunSet, path) -> list[Path]:
     return [path, hist_path, inst_path]
 
 
+def merge_snapshots(paths) -> RunSet:
+    """One run set from snapshots exported from different stores (a study trained on two
+    machines, or continued after its store was lost). A run id in two snapshots is refused: it
+    is one run exported twice. Runs of one config in both are kept, and `latest_per_config`
+    counts them once, as it does within one store."""
+    sets = [import_snapshot(p) for p in paths]
+    seen: dict[str, str] = {}
+    for path, rs in zip(paths, sets):
+        for rid in rs.runs["run_id"]:
+            if rid in seen:
+                raise AnalysisInputError(f"run {rid} is in both {seen[rid]} and {path}; "
+                                         "each run may come from one snapshot only")
+            seen[rid] = str(path)
+    rows = [r for rs in sets for r in rs.runs.astype(object).where(rs.runs.notna(), None).to_dict("records")]
+    histories = pd.concat([rs.histories for rs in sets], ignore_index=True)
+    histories = histories.sort_values(["run_id", "key", "step"], kind="mergesort").reset_index(drop=True)
+    return RunSet(runs=_tidy(rows), histories=histories,
+                  instrumentation={k: v for rs in sets for k, v in rs.instrumentation.items()},
+                  source="snapshots " + ", ".join(Path(p).name for p in paths))
+
+
 def import_snapshot(path) -> RunSet:
     """Read a snapshot written by :func:`export_snapshot` (the sidecars are optional)."""
     path = Path(path)
