@@ -3,7 +3,7 @@
 Per variant: each arm's seed σ, the σ and correlation of same-seed differences, the minimum
 detectable effect paired and unpaired, and the seeds a stated target Δ needs (never the observed
 Δ, whose power would only restate its p-value).
-``python -m analysis noise --snapshot results/runs.csv --sweep ablation --variant block``
+``python -m analysis noise --snapshot results/runs.csv --sweep study_cpu --variant block``
 """
 from __future__ import annotations
 
