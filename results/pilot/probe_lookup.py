@@ -5,15 +5,22 @@ training stream? A bare loop over the probe's own examples, printing 1-hop accur
     python results/pilot/probe_lookup.py --layers 2 --lr 3e-3 --steps 4000 --queries 7 --aligned
     python results/pilot/probe_lookup.py --compact --aligned --queries 7   # "xd" pairs, no '=' ';'
     python results/pilot/probe_lookup.py --shifted-copy                    # control: a copy at a fixed offset
+    python results/pilot/probe_lookup.py --plain --compact --aligned --n-vars 4 --queries 3 --rows 32 --data-seed 1
+    python results/pilot/probe_lookup.py --recall --steps 10000        # control: associative recall, no probe
 
 Each optimizer step sees about 2048 tokens, as a harness step does (batch 16 × 128); the loss is on
 the answers only. --aligned: one example per row (no earlier example in the context), else random
 128-token windows of the example stream, as the harness trains. 100 held-out prompts per hop count.
+--plain: an independent transformer instead of the project's DecoderLM (learned positions,
+LayerNorm, torch's MultiheadAttention, GELU MLP, torch's default init), to tell the task from the model.
+--data-seed: the order of the batches (the model's initial weights stay those of seed 0).
 """
 import argparse
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig
 from harness.data import MultiHopProbe
@@ -31,13 +38,49 @@ ap.add_argument("--queries", type=int, default=0)
 ap.add_argument("--aligned", action="store_true")
 ap.add_argument("--compact", action="store_true")
 ap.add_argument("--shifted-copy", action="store_true")
+ap.add_argument("--plain", action="store_true")
+ap.add_argument("--recall", action="store_true")
+ap.add_argument("--data-seed", type=int, default=0)
+ap.add_argument("--rows", type=int, default=0, help="--aligned: rows per step (default: about 2048 tokens)")
 args = ap.parse_args()
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Plain(nn.Module):
+    def __init__(self, d, heads, layers):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(256, d), nn.Embedding(128, d)
+        self.blocks = nn.ModuleList(PlainBlock(d, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, 256)
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return logits, None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 torch.set_num_threads(1)
 torch.manual_seed(0)
-model = DecoderLM(ModelConfig(vocab_size=256, d_model=args.d_model, layers=args.layers, n_heads=args.heads,
-                              d_ff=3 * args.d_model, max_seq_len=128), ResidualConfig(name="baseline"))
+model = (Plain(args.d_model, args.heads, args.layers) if args.plain else
+         DecoderLM(ModelConfig(vocab_size=256, d_model=args.d_model, layers=args.layers, n_heads=args.heads,
+                               d_ff=3 * args.d_model, max_seq_len=128), ResidualConfig(name="baseline")))
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-gen = torch.Generator().manual_seed(0)
+gen = torch.Generator().manual_seed(args.data_seed)
 start = time.time()
 
 if args.shifted_copy:  # 32 random letters twice: the second half is a copy at offset 32
@@ -54,6 +97,37 @@ if args.shifted_copy:  # 32 random letters twice: the second half is a copy at o
         opt.step()
         if step % 100 == 0:
             print(step, f"{time.time() - start:.0f}s", f"loss {loss.item():.3f}", flush=True)
+    raise SystemExit
+
+if args.recall:  # "k v k v k v k v | q v q v q v q v": keys 1-26, values 27-36, separator 0
+    def recall_batch(n):
+        keys = torch.stack([torch.randperm(26, generator=gen)[:4] for _ in range(n)]) + 1
+        values = torch.randint(27, 37, (n, 4), generator=gen)
+        order = torch.stack([torch.randperm(4, generator=gen) for _ in range(n)])
+        asked = torch.stack([keys.gather(1, order), values.gather(1, order)], 2).flatten(1)
+        x = torch.cat([torch.stack([keys, values], 2).flatten(1), torch.zeros(n, 1, dtype=torch.long), asked], 1)
+        y = x[:, 1:].clone()
+        y[:, :9] = -100  # the context, and the first query's key
+        y[:, 10::2] = -100  # the other keys: only the values after a key are scored
+        return x[:, :-1], y
+
+    held_x, held_y = recall_batch(500)
+    for step in range(args.steps + 1):
+        if step % 250 == 0:
+            model.eval()
+            with torch.no_grad():
+                scored = held_y != -100
+                print(step, f"{time.time() - start:.0f}s",
+                      round(float((model(held_x)[0].argmax(-1)[scored] == held_y[scored]).float().mean()), 3), flush=True)
+            model.train()
+        x, y = recall_batch(args.rows or 32)
+        for group in opt.param_groups:
+            group["lr"] = args.lr * min(1, (step + 1) / 100)
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
     raise SystemExit
 
 hops = [int(h) for h in args.hops.split(",")]
@@ -91,7 +165,7 @@ for step in range(args.steps + 1):
     if step % 250 == 0:
         print(step, f"{time.time() - start:.0f}s", accuracy(), flush=True)
     if args.aligned:
-        batch = rows[torch.randint(0, rows.shape[0], (max(1, 2048 // (rows.shape[1] - 1)),), generator=gen)]
+        batch = rows[torch.randint(0, rows.shape[0], (args.rows or max(1, 2048 // (rows.shape[1] - 1)),), generator=gen)]
     else:
         starts = torch.randint(0, stream.numel() - 129, (16,), generator=gen)
         batch = torch.stack([stream[i:i + 129] for i in starts])
