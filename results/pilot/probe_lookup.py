@@ -39,6 +39,7 @@ ap.add_argument("--aligned", action="store_true")
 ap.add_argument("--compact", action="store_true")
 ap.add_argument("--shifted-copy", action="store_true")
 ap.add_argument("--plain", action="store_true")
+ap.add_argument("--init-std", type=float, default=0.02, help="DecoderLM's model.init_std")
 ap.add_argument("--recall", action="store_true")
 ap.add_argument("--data-seed", type=int, default=0)
 ap.add_argument("--rows", type=int, default=0, help="--aligned: rows per step (default: about 2048 tokens)")
@@ -78,7 +79,8 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 model = (Plain(args.d_model, args.heads, args.layers) if args.plain else
          DecoderLM(ModelConfig(vocab_size=256, d_model=args.d_model, layers=args.layers, n_heads=args.heads,
-                               d_ff=3 * args.d_model, max_seq_len=128), ResidualConfig(name="baseline")))
+                               d_ff=3 * args.d_model, max_seq_len=128, init_std=args.init_std),
+                   ResidualConfig(name="baseline")))
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
 gen = torch.Generator().manual_seed(args.data_seed)
 start = time.time()
