@@ -34,12 +34,14 @@ ap.add_argument("--d-model", type=int, default=64)
 ap.add_argument("--heads", type=int, default=2)
 ap.add_argument("--lr", type=float, default=3e-3)
 ap.add_argument("--steps", type=int, default=3000)
+ap.add_argument("--wd", type=float, default=0.1, help="AdamW weight decay")
 ap.add_argument("--queries", type=int, default=0)
 ap.add_argument("--aligned", action="store_true")
 ap.add_argument("--compact", action="store_true")
 ap.add_argument("--shifted-copy", action="store_true")
 ap.add_argument("--plain", action="store_true")
 ap.add_argument("--init-std", type=float, default=0.02, help="DecoderLM's model.init_std")
+ap.add_argument("--embed-std", type=float, default=None, help="DecoderLM: draw the token embeddings again from N(0, this²)")
 ap.add_argument("--recall", action="store_true")
 ap.add_argument("--data-seed", type=int, default=0)
 ap.add_argument("--rows", type=int, default=0, help="--aligned: rows per step (default: about 2048 tokens)")
@@ -81,7 +83,9 @@ model = (Plain(args.d_model, args.heads, args.layers) if args.plain else
          DecoderLM(ModelConfig(vocab_size=256, d_model=args.d_model, layers=args.layers, n_heads=args.heads,
                                d_ff=3 * args.d_model, max_seq_len=128, init_std=args.init_std),
                    ResidualConfig(name="baseline")))
-opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+if args.embed_std is not None and not args.plain:
+    torch.nn.init.normal_(model.embed.weight, std=args.embed_std)
+opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.wd, betas=(0.9, 0.95))
 gen = torch.Generator().manual_seed(args.data_seed)
 start = time.time()
 
