@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
 from analysis.report import assign_roles
 

@@ -25,6 +25,7 @@ from torch import nn
 from attnres import DecoderLM, ModelConfig, ResidualConfig
 from harness.data import MultiHopProbe
 from harness.data.multihop import answers_only
+from recall_task import recall_batch  # this folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hops", default="1")
@@ -89,35 +90,33 @@ opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.wd, be
 gen = torch.Generator().manual_seed(args.data_seed)
 start = time.time()
 
+
+def train_step(x, y, step, clip=True):
+    """One AdamW step on (x, y), after 100 linear warm-up steps of the learning rate."""
+    for group in opt.param_groups:
+        group["lr"] = args.lr * min(1, (step + 1) / 100)
+    _, loss = model(x, y)
+    opt.zero_grad()
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 if args.shifted_copy:  # 32 random letters twice: the second half is a copy at offset 32
     for step in range(2001):
         r = torch.randint(97, 123, (16, 32), generator=gen)
         x = torch.cat([r, r], 1)
         y = x[:, 1:].clone()
         y[:, :32] = -100
-        for group in opt.param_groups:
-            group["lr"] = args.lr * min(1, (step + 1) / 100)
-        _, loss = model(x[:, :-1], y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(x[:, :-1], y, step, clip=False)
         if step % 100 == 0:
             print(step, f"{time.time() - start:.0f}s", f"loss {loss.item():.3f}", flush=True)
     raise SystemExit
 
-if args.recall:  # "k v k v k v k v | q v q v q v q v": keys 1-26, values 27-36, separator 0
-    def recall_batch(n):
-        keys = torch.stack([torch.randperm(26, generator=gen)[:4] for _ in range(n)]) + 1
-        values = torch.randint(27, 37, (n, 4), generator=gen)
-        order = torch.stack([torch.randperm(4, generator=gen) for _ in range(n)])
-        asked = torch.stack([keys.gather(1, order), values.gather(1, order)], 2).flatten(1)
-        x = torch.cat([torch.stack([keys, values], 2).flatten(1), torch.zeros(n, 1, dtype=torch.long), asked], 1)
-        y = x[:, 1:].clone()
-        y[:, :9] = -100  # the context, and the first query's key
-        y[:, 10::2] = -100  # the other keys: only the values after a key are scored
-        return x[:, :-1], y
-
-    held_x, held_y = recall_batch(500)
+if args.recall:  # the associative-recall control (recall_task.py)
+    held_x, held_y = recall_batch(500, gen)
     for step in range(args.steps + 1):
         if step % 250 == 0:
             model.eval()
@@ -126,14 +125,7 @@ if args.recall:  # "k v k v k v k v | q v q v q v q v": keys 1-26, values 27-36,
                 print(step, f"{time.time() - start:.0f}s",
                       round(float((model(held_x)[0].argmax(-1)[scored] == held_y[scored]).float().mean()), 3), flush=True)
             model.train()
-        x, y = recall_batch(args.rows or 32)
-        for group in opt.param_groups:
-            group["lr"] = args.lr * min(1, (step + 1) / 100)
-        _, loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        train_step(*recall_batch(args.rows or 32, gen), step)
     raise SystemExit
 
 hops = [int(h) for h in args.hops.split(",")]
@@ -176,10 +168,4 @@ for step in range(args.steps + 1):
         starts = torch.randint(0, stream.numel() - 129, (16,), generator=gen)
         batch = torch.stack([stream[i:i + 129] for i in starts])
     x, y = batch[:, :-1], batch[:, 1:]
-    for group in opt.param_groups:
-        group["lr"] = args.lr * min(1, (step + 1) / 100)
-    _, loss = model(x, answers(x, y))
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
+    train_step(x, answers(x, y), step)

@@ -5,7 +5,7 @@ line per batch order (results/pilot/probe_calibration.md, "What delays the looku
 
     python results/pilot/recall_onset.py --positions learned --init torch --data-seed 0
 
-The task is probe_lookup.py --recall: 4 keys and their values, a separator, every key asked once;
+The task is recall_task.py, as in probe_lookup.py --recall;
 32 rows a step, AdamW at 3e-3 after 100 warm-up steps, accuracy on 500 held-out rows every 100 steps.
 """
 import argparse
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnres.layers import apply_rope, rope_tables
+from recall_task import recall_batch  # this folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--positions", choices=["learned", "rope"], required=True)
@@ -67,21 +68,9 @@ class Model(nn.Module):
 gen = torch.Generator().manual_seed(args.data_seed)
 
 
-def recall_batch(n):  # "k v k v k v k v | q v q v q v q v": keys 1-26, values 27-36, separator 0
-    keys = torch.stack([torch.randperm(26, generator=gen)[:4] for _ in range(n)]) + 1
-    values = torch.randint(27, 37, (n, 4), generator=gen)
-    order = torch.stack([torch.randperm(4, generator=gen) for _ in range(n)])
-    asked = torch.stack([keys.gather(1, order), values.gather(1, order)], 2).flatten(1)
-    x = torch.cat([torch.stack([keys, values], 2).flatten(1), torch.zeros(n, 1, dtype=torch.long), asked], 1)
-    y = x[:, 1:].clone()
-    y[:, :9] = -100  # the context, and the first query's key
-    y[:, 10::2] = -100  # the other keys: only the values after a key are scored
-    return x[:, :-1], y
-
-
 model = Model()
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
-held_x, held_y = recall_batch(500)
+held_x, held_y = recall_batch(500, gen)
 scored = held_y != -100
 onset, accuracy = None, 0.0
 for step in range(args.steps + 1):
@@ -89,7 +78,7 @@ for step in range(args.steps + 1):
         with torch.no_grad():
             accuracy = float((model(held_x).argmax(-1)[scored] == held_y[scored]).float().mean())
         onset = step if onset is None and accuracy > 0.9 else onset
-    x, y = recall_batch(32)
+    x, y = recall_batch(32, gen)
     for group in opt.param_groups:
         group["lr"] = 3e-3 * min(1, (step + 1) / 100)
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
