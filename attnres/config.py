@@ -47,6 +47,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    embed_std: Optional[float] = None  # σ of the token embedding; None: init_std (GPT-2's choice)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -60,6 +61,8 @@ class ModelConfig:
             raise ValueError(f"model.rope_theta={self.rope_theta} must be positive")
         if not 0 <= float(self.init_std) < float("inf"):  # torch.nn.init.normal_ refuses it deep in the build
             raise ValueError(f"model.init_std={self.init_std} must be a finite number >= 0")
+        if self.embed_std is not None and not 0 <= float(self.embed_std) < float("inf"):
+            raise ValueError(f"model.embed_std={self.embed_std} must be a finite number >= 0 (or null: model.init_std)")
         if not 0 <= float(self.norm_eps) < float("inf"):
             raise ValueError(f"model.norm_eps={self.norm_eps} must be a finite number >= 0")
         if self.d_model % self.n_heads:

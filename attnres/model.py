@@ -40,8 +40,8 @@ class DecoderLM(nn.Module):
     def _init_weights(self) -> None:
         """GPT-2 style: N(0, σ²) for matrices, output projections scaled by 1/sqrt(L) (sublayers).
         The residual module keeps its own init (zero queries, identity mixing, …)."""
-        std = self.config.init_std
-        nn.init.normal_(self.embed.weight, std=std)
+        std, embed_std = self.config.init_std, self.config.embed_std
+        nn.init.normal_(self.embed.weight, std=std if embed_std is None else embed_std)
         if not self.config.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, std=std)
         for name, p in self.sublayers.named_parameters():

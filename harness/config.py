@@ -119,7 +119,7 @@ def register_resolvers() -> None:
 # Options added after runs existed, at the value that computes what those runs computed: a run
 # at that value keeps the key it had before the option existed (a study resumed after an update
 # finds its finished runs instead of training them again).
-NEUTRAL = {"data.loss_on": "all"}
+NEUTRAL = {"data.loss_on": "all", "data.format": "assign", "data.aligned": False, "model.embed_std": None}
 NOT_IDENTITY = (
     "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
     "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",
@@ -436,6 +436,7 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "model.rope_theta": POSITIVE,
     "model.norm_eps": NON_NEGATIVE,
     "model.init_std": NON_NEGATIVE,
+    "model.embed_std": NON_NEGATIVE,
     "residual.block_size": (1, 8192, False, False),
     "residual.num_blocks": (1, 8192, False, False),
     "residual.window": (1, 8192, False, False),

@@ -130,7 +130,8 @@ class Local:
         from harness.data import batch_iterator
 
         s, t = self.spec, self.spec.cfg.train
-        return batch_iterator(tokens, s.micro_batch_size, t.seq_len, t.seed, start_batch=start_step * s.accum_steps)
+        return batch_iterator(tokens, s.micro_batch_size, t.seq_len, t.seed, start_batch=start_step * s.accum_steps,
+                              aligned=s.cfg.data.aligned)
 
     def val_shard(self, batches: list) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """(x, y, weight) of the held-out batches this rank evaluates; weight = sequences counted."""
@@ -190,7 +191,7 @@ class DDP(Local):
 
         s, t = self.spec, self.spec.cfg.train
         return rank_batch_iterator(tokens, t.batch_size, s.data_micro_batch_size, s.micro_batch_size, t.seq_len,
-                                   t.seed, self.rank, self.world, start_step=start_step)
+                                   t.seed, self.rank, self.world, start_step=start_step, aligned=s.cfg.data.aligned)
 
     def val_shard(self, batches):
         """This rank's contiguous share of the held-out sequences in micro-batches, padded with

@@ -98,7 +98,9 @@ class Trainer:
         # each rank evaluates its share: the all-reduced loss is the single-process loss.
         held_out = val_batches(data.val, spec.data_micro_batch_size, t.seq_len, t.eval_batches)
         # data.loss_on=answers: train and validate on the probe's answer digits only
-        self.targets = answers_only if self.cfg.data.loss_on == "answers" else (lambda x, y: y)
+        compact = self.cfg.data.format == "compact"
+        self.targets = ((lambda x, y: answers_only(x, y, compact)) if self.cfg.data.loss_on == "answers"
+                        else (lambda x, y: y))
         held_out = [(x, self.targets(x, y)) for x, y in held_out]
         self.val = [(x.to(self.device), y.to(self.device), n) for x, y, n in self.parallel.val_shard(held_out)]
         self.instrument_x = held_out[0][0][: t.instrument_seqs].to(self.device) if held_out else None

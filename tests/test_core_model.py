@@ -525,3 +525,20 @@ def test_output_rms_block_is_the_quadratic_mean_of_its_sublayers_in_float64():
     for b, got in enumerate(info["output_rms_block"]):
         want = math.sqrt((s[2 * b] ** 2 + s[2 * b + 1] ** 2) / 2)
         assert abs(got - want) <= 1e-15 * want
+
+
+def test_embed_std_draws_the_token_embedding_alone_at_its_own_scale():
+    """model.embed_std=1: the token embedding is N(0, 1) (sample std of 256×64 draws within 5%),
+    every other weight the same as at the default (None: the embedding at init_std), bit for bit."""
+    cfg = dict(vocab_size=256, d_model=64, layers=2, n_heads=2, init_std=0.125)
+    torch.manual_seed(0)
+    default = DecoderLM(ModelConfig(**cfg))
+    torch.manual_seed(0)
+    wide = DecoderLM(ModelConfig(**cfg, embed_std=1.0))
+    assert float(wide.embed.weight.std()) == pytest.approx(1.0, rel=0.05)
+    assert float(default.embed.weight.std()) == pytest.approx(0.125, rel=0.05)
+    others = [(n, p) for n, p in default.state_dict().items() if not n.startswith("embed.")]
+    assert others and all(torch.equal(p, wide.state_dict()[n]) for n, p in others)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            ModelConfig(**cfg, embed_std=bad)

@@ -96,3 +96,15 @@ def test_val_batches_all_and_small():
     small = val_batches(torch.arange(25), 8, 10)  # two windows: one smaller batch
     assert len(small) == 1 and small[0][0].shape == (2, 10)
     assert val_batches(tokens, 4, 10, max_batches=0) == []
+
+
+def test_aligned_windows_start_at_multiples_of_the_sequence_length(tokens):
+    """aligned=True draws only starts j·seq_len with the target window inside the data, and reaches
+    the last one (5000 tokens, seq_len 32: starts 0 … 155·32)."""
+    starts = set()
+    for x, y in _take(batch_iterator(tokens, 64, 32, seed=4, aligned=True), 40):
+        for row in x:
+            s = next(s for s in range(0, 5000 - 32, 32) if torch.equal(tokens[s : s + 32].long(), row))
+            starts.add(s)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    assert starts <= set(range(0, 156 * 32, 32)) and 155 * 32 in starts and 0 in starts

@@ -1,6 +1,7 @@
 """The multi-hop probe: well-formed examples that need exactly k hops, and per-k accuracy."""
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 
@@ -181,3 +182,52 @@ def test_loss_on_answers_needs_the_probe():
         load_data(DataConfig(name="stdlib", loss_on="answers", max_bytes=100_000), 64)
     with pytest.raises(DataError):
         load_data(DataConfig(name="multihop", loss_on="digits"), 128)
+
+
+COMPACT = re.compile(r"^(?:[a-z][a-z0-9])+$")
+
+
+def test_compact_format_is_the_same_chains_without_separators():
+    """data.format=compact writes statement "x=3;" as "x3" and query "?x=" as "?x": the examples
+    are those of the assign format (same seed) with "=" and ";" removed, and still resolve."""
+    kw = dict(hops=(1, 2, 3), n_vars=6, train_examples=60, val_examples=30, queries=2, seed=5)
+    assign, compact = MultiHopProbe(**kw), MultiHopProbe(**kw, format="compact")
+    for a, c in zip(assign.train_set(), compact.train_set()):
+        assert c.prompt == a.prompt.replace("=", "").replace(";", "") and c.answer == a.answer
+        assert c.extra == a.extra.replace("=", "")
+        assert resolve(c.prompt) == (c.answer, c.k) and COMPACT.match(c.prompt.rsplit("?", 1)[0])
+        assert len(c.text) == compact.example_len == 2 * 6 + 3 + 3 * 2 + 1
+    with pytest.raises(DataError):
+        MultiHopProbe(format="json")
+
+
+def test_answers_only_in_the_compact_format_keeps_the_digit_after_each_query():
+    from harness.data.multihop import answers_only
+
+    probe = MultiHopProbe(n_vars=6, queries=3, train_examples=8, val_examples=4, format="compact")
+    tokens = probe.tokens("train").long()
+    x, y = tokens[:-1][None], tokens[1:][None]
+    kept = answers_only(x, y, compact=True)[0]
+    text = bytes(tokens.tolist()).decode("ascii")
+    want = {m.start(1) - 1 for m in re.finditer(r"\?[a-z]([0-9])", text)}
+    assert {int(i) for i in torch.nonzero(kept != -100).flatten()} == want and len(want) == 8 * 4
+    assert torch.equal(kept[kept != -100], y[0][kept != -100])
+
+
+def test_aligned_windows_are_one_example_each_after_its_newline():
+    """data.aligned=true: with train.seq_len = the example length, every training window is the
+    newline that ends the example before, then one whole example, as the accuracy's prompts begin."""
+    from harness.data import batch_iterator
+
+    cfg = DataConfig(name="multihop", hops=[1, 2], n_vars=5, queries=4, train_examples=300, val_examples=40,
+                     format="compact", aligned=True, loss_on="answers")
+    probe = MultiHopProbe.from_config(cfg)
+    data = load_data(cfg, probe.example_len)
+    texts = {ex.text for ex in probe.train_set()}
+    assert data.train.numel() == 300 * probe.example_len + 1
+    for x, y in itertools.islice(batch_iterator(data.train, 16, probe.example_len, seed=2, aligned=True), 20):
+        for row_x, row_y in zip(x.tolist(), y.tolist()):
+            assert chr(row_x[0]) == SEPARATOR and bytes(row_y).decode("ascii") in texts
+    assert data.fingerprint["aligned"] and data.fingerprint["format"] == "compact"
+    with pytest.raises(DataError):  # a window of another length would hold parts of two examples
+        load_data(cfg, probe.example_len + 1)

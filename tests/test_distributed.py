@@ -67,13 +67,15 @@ TWO_RANKS = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.
     (12, 4, 3, 2),   # slices straddling stream batches
     (8, 2, 8, 1),    # one sequence per rank
 ])
-def test_the_ranks_micro_batches_make_up_the_single_process_global_batch(batch, stream, world, micro):
+@pytest.mark.parametrize("aligned", [False, True])
+def test_the_ranks_micro_batches_make_up_the_single_process_global_batch(batch, stream, world, micro, aligned):
     from harness.data.batches import batch_iterator, rank_batch_iterator
 
     tokens = torch.arange(5000) % 251
     per_step = batch // stream
-    single = batch_iterator(tokens, stream, 16, seed=3, start_batch=2 * per_step)  # from step 2 on
-    ranks = [rank_batch_iterator(tokens, batch, stream, micro, 16, 3, r, world, start_step=2) for r in range(world)]
+    single = batch_iterator(tokens, stream, 16, seed=3, start_batch=2 * per_step, aligned=aligned)  # from step 2 on
+    ranks = [rank_batch_iterator(tokens, batch, stream, micro, 16, 3, r, world, start_step=2, aligned=aligned)
+             for r in range(world)]
     for _ in range(3):  # steps 2, 3, 4
         xs, ys = zip(*[next(single) for _ in range(per_step)])
         parts = [next(it) for it in ranks for _ in range(batch // world // micro)]

@@ -268,3 +268,11 @@ def test_an_option_at_its_neutral_value_leaves_the_run_key_as_it_was_before_the_
     assert run_key(with_option) == run_key(plain)
     with_option["data"]["loss_on"] = "answers"
     assert run_key(with_option) != run_key(plain)
+    # the probe's layout and the embedding's scale: at their defaults the run is the one before them
+    for section, key, neutral, other in (("data", "format", "assign", "compact"), ("data", "aligned", False, True),
+                                         ("model", "embed_std", None, 1.0)):
+        with_option = copy.deepcopy(plain)
+        with_option.setdefault(section, {})[key] = neutral
+        assert NEUTRAL[f"{section}.{key}"] == neutral and run_key(with_option) == run_key(plain)
+        with_option[section][key] = other
+        assert run_key(with_option) != run_key(plain)

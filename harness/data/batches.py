@@ -40,29 +40,31 @@ def _check(tokens: torch.Tensor, batch_size: int, seq_len: int) -> int:
 
 
 def batch_iterator(
-    tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, start_batch: int = 0
+    tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, start_batch: int = 0, aligned: bool = False
 ) -> Iterator[Batch]:
     """Endless deterministic (x, y) int64 batches of shape (batch_size, seq_len), from batch
-    `start_batch` on."""
+    `start_batch` on; `aligned`: windows start at multiples of seq_len only."""
     n = _check(tokens, batch_size, seq_len)
     if start_batch < 0:
         raise DataError(f"start_batch={start_batch}: must be >= 0")
     i = start_batch
     while True:
-        yield _windows(tokens, _batch_starts(n, batch_size, seq_len, seed, i), seq_len)
+        yield _windows(tokens, _batch_starts(n, batch_size, seq_len, seed, i, aligned), seq_len)
         i += 1
 
 
-def _batch_starts(n: int, batch_size: int, seq_len: int, seed: int, i: int) -> np.ndarray:
+def _batch_starts(n: int, batch_size: int, seq_len: int, seed: int, i: int, aligned: bool = False) -> np.ndarray:
     """Window starts of batch i: the one definition of the training stream."""
     # Seeded by the pair, not seed·K + i, so different seeds never share a batch.
     rng = np.random.default_rng([seed % 2**64, i])
+    if aligned:  # the j-th window of seq_len, j < (n - 1) // seq_len so that its target fits
+        return rng.integers(0, (n - 1) // seq_len, size=batch_size) * seq_len
     return rng.integers(0, n - seq_len, size=batch_size)  # last start: n - seq_len - 1
 
 
 def rank_batch_iterator(
     tokens: torch.Tensor, batch_size: int, stream_batch_size: int, micro_batch_size: int, seq_len: int,
-    seed: int, rank: int, world_size: int, start_step: int = 0,
+    seed: int, rank: int, world_size: int, start_step: int = 0, aligned: bool = False,
 ) -> Iterator[Batch]:
     """Rank `rank`'s micro-batches of every optimizer step from `start_step` on.
 
@@ -86,7 +88,7 @@ def rank_batch_iterator(
     offset = lo - first * stream_batch_size
     step = start_step
     while True:
-        starts = np.concatenate([_batch_starts(n, stream_batch_size, seq_len, seed, step * per_step + k)
+        starts = np.concatenate([_batch_starts(n, stream_batch_size, seq_len, seed, step * per_step + k, aligned)
                                  for k in range(first, last + 1)])[offset : offset + per_rank]
         for j in range(0, per_rank, micro_batch_size):
             yield _windows(tokens, starts[j : j + micro_batch_size], seq_len)

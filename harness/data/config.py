@@ -36,6 +36,8 @@ class DataConfig:
     queries: int = 0  # extra queries after each example's answer ("?v=d" for other variables): recall practice
     seed: int = 0  # seed of the example generator (not of training)
     loss_on: str = "all"  # all tokens, or "answers": only each "?x=" query's digit (multihop)
+    format: str = "assign"  # multihop statements "x=3;" and queries "?x=", or compact: "x3" and "?x"
+    aligned: bool = False  # training windows start at multiples of train.seq_len (multihop: one example a row)
 
 
 @dataclass

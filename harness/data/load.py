@@ -72,6 +72,12 @@ def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
     _check_settings(cfg, seq_len)
     if cfg.name == "multihop":
         probe = MultiHopProbe.from_config(cfg)
+        if cfg.aligned and seq_len != probe.example_len:
+            raise DataError(
+                f"multihop: data.aligned=true trains one example a row, so train.seq_len must be the "
+                f"example length, {probe.example_len} tokens here (data.n_vars={cfg.n_vars}, "
+                f"data.queries={cfg.queries}, data.format={cfg.format}); got seq_len={seq_len}"
+            )
         if seq_len < probe.example_len:
             raise DataError(
                 f"multihop: seq_len={seq_len} is shorter than one example ({probe.example_len} tokens "

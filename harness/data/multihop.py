@@ -1,9 +1,10 @@
 """A synthetic multi-hop probe: does depth routing help a model follow chains of assignments?
 
 An example is a shuffled list of single-letter assignments and a query whose digit answer takes
-k hops to find, e.g. (k = 4) ``c=b;x=3;a=7;d=c;b=a;y=x;?d=7``. Every example has the same length
-whatever k, distractor chains hide the target's length, and generation is seeded by string
-(SHA-512), so examples are identical on every machine; docs/DATA.md gives the rules.
+k hops to find, e.g. (k = 4) ``c=b;x=3;a=7;d=c;b=a;y=x;?d=7``, or in the compact format
+``cbx3a7dcbayx?d7`` (two characters a statement). Every example has the same length whatever k,
+distractor chains hide the target's length, and generation is seeded by string (SHA-512), so
+examples are identical on every machine; docs/DATA.md gives the rules.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from .config import DataConfig, DataError
 SEPARATOR = "\n"
 LETTERS = string.ascii_lowercase
 DIGITS = string.digits
+FORMATS = ("assign", "compact")  # data.format: "x=3;" statements and "?x=" queries, or "x3" and "?x"
 
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str  # statements and the query, up to and including "?x="
+    prompt: str  # statements and the query, up to and including "?x=" ("?x" compact)
     answer: str  # the digit
     k: int  # hops
     extra: str = ""  # further queries with their answers, "?y=3?z=7" (MultiHopProbe queries)
@@ -35,9 +37,13 @@ class Example:
 
 
 def resolve(prompt: str) -> tuple[str, int]:
-    """(answer, hops) of a prompt, found by following its assignments; used to verify examples."""
+    """(answer, hops) of a prompt in either format, found by following its assignments; used to
+    verify examples."""
     body, _, query = prompt.rpartition("?")
-    env = dict(s.split("=", 1) for s in body.split(";") if s)
+    if "=" in prompt:
+        env = dict(s.split("=", 1) for s in body.split(";") if s)
+    else:  # compact: two characters a statement
+        env = {body[i]: body[i + 1] for i in range(0, len(body), 2)}
     var, hops = query.rstrip("="), 0
     seen = set()
     while var in env:
@@ -48,12 +54,15 @@ def resolve(prompt: str) -> tuple[str, int]:
     return var, hops
 
 
-def answers_only(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def answers_only(x: torch.Tensor, y: torch.Tensor, compact: bool = False) -> torch.Tensor:
     """The targets ``y`` of inputs ``x`` with every position but the answers set to -100, the
     index cross-entropy ignores: a target is an answer when the input before it ends a query,
-    "?v=" (which needs the query's "?" inside the window)."""
+    "?v=" or, compact, "?v" (which needs the query's "?" inside the window)."""
     answer = torch.zeros_like(y, dtype=torch.bool)
-    answer[:, 2:] = (x[:, 2:] == ord("=")) & (x[:, :-2] == ord("?"))
+    if compact:
+        answer[:, 1:] = x[:, :-1] == ord("?")
+    else:
+        answer[:, 2:] = (x[:, 2:] == ord("=")) & (x[:, :-2] == ord("?"))
     return y.masked_fill(~answer, -100)
 
 
@@ -66,8 +75,15 @@ class MultiHopProbe:
         val_examples: int = 800,
         seed: int = 0,
         queries: int = 0,
+        format: str = "assign",
+        aligned: bool = False,
     ):
         self.hops = tuple(int(k) for k in hops)
+        if format not in FORMATS:
+            raise DataError(f"data.format={format!r}: allowed: {', '.join(FORMATS)}")
+        self.format, self.aligned = format, bool(aligned)
+        # statement "x=3;" and query "?x=", or compact "x3" and "?x"
+        self._eq, self._end = ("=", ";") if format == "assign" else ("", "")
         self.queries = int(queries)
         if not 0 <= self.queries < int(n_vars):
             raise DataError(f"data.queries={self.queries}: must be between 0 and data.n_vars - 1 "
@@ -92,13 +108,15 @@ class MultiHopProbe:
     @classmethod
     def from_config(cls, cfg: DataConfig) -> "MultiHopProbe":
         return cls(cfg.hops, cfg.n_vars, cfg.train_examples, cfg.val_examples, cfg.seed,
-                   cfg.queries)
+                   cfg.queries, cfg.format, cfg.aligned)
 
     @property
     def example_len(self) -> int:
         """Tokens per example: n_vars statements "x=y;", the query "?x=", the digit, `queries`
-        more "?y=d", the newline."""
-        return 4 * self.n_vars + 3 + 1 + 4 * self.queries + 1
+        more "?y=d", the newline (compact: "xy", "?x", the digit, "?yd", the newline)."""
+        statement = 2 + len(self._eq) + len(self._end)
+        query = 2 + len(self._eq)
+        return statement * self.n_vars + query + 1 + (query + 1) * self.queries + 1
 
     # --- generation ----------------------------------------------------------------------------
     def _rng(self, split: str, k: int) -> random.Random:
@@ -109,23 +127,24 @@ class MultiHopProbe:
         answer = rng.choice(DIGITS)
         others = [d for d in DIGITS if d != answer]
         chain = names[:k]
-        statements = [f"{chain[0]}={answer}"] + [f"{chain[i]}={chain[i - 1]}" for i in range(1, k)]
+        statements = [(chain[0], answer)] + [(chain[i], chain[i - 1]) for i in range(1, k)]
         rest, longest = names[k:], max(self.hops)
         while rest:
             length = min(rng.randint(1, longest), len(rest))
             links, rest = rest[:length], rest[length:]
-            statements.append(f"{links[0]}={rng.choice(others)}")
-            statements += [f"{links[i]}={links[i - 1]}" for i in range(1, length)]
+            statements.append((links[0], rng.choice(others)))
+            statements += [(links[i], links[i - 1]) for i in range(1, length)]
         rng.shuffle(statements)
-        prompt = "".join(s + ";" for s in statements) + f"?{chain[-1]}="
+        eq, end = self._eq, self._end
+        prompt = "".join(f"{var}{eq}{value}{end}" for var, value in statements) + f"?{chain[-1]}{eq}"
         extra = ""
         if self.queries:
-            env = dict(s.split("=", 1) for s in statements)
+            env = dict(statements)
             for var in rng.sample([v for v in names if v != chain[-1]], self.queries):
                 value = var
                 while value in env:  # follow the chain to its digit
                     value = env[value]
-                extra += f"?{var}={value}"
+                extra += f"?{var}{eq}{value}"
         return Example(prompt, answer, k, extra)
 
     def val_set(self) -> dict[int, list[Example]]:
@@ -162,7 +181,10 @@ class MultiHopProbe:
             examples = [ex for k in self.hops for ex in self.val_set()[k]]
         else:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        data = bytearray("".join(ex.text for ex in examples).encode("ascii"))
+        # aligned: a leading newline, so that the window at each multiple of example_len is one
+        # example after the newline that ends the one before, as the accuracy's prompts begin
+        lead = SEPARATOR if self.aligned else ""
+        data = bytearray((lead + "".join(ex.text for ex in examples)).encode("ascii"))
         return torch.frombuffer(data, dtype=torch.uint8).clone()
 
     def fingerprint(self, train: torch.Tensor, val: torch.Tensor) -> dict:
@@ -176,6 +198,8 @@ class MultiHopProbe:
             "tokenizer": "bytes", "hops": list(self.hops), "n_vars": self.n_vars,
             "train_examples": self.train_examples, "val_examples": self.val_examples, "seed": self.seed,
             **({"queries": self.queries} if self.queries else {}),
+            **({"format": self.format} if self.format != "assign" else {}),
+            **({"aligned": True} if self.aligned else {}),
         }
 
     # --- scoring -------------------------------------------------------------------------------
