@@ -651,3 +651,19 @@ def test_tuned_lr_points_are_means_over_the_grids_seeds(tmp_path):
     half = stats.t.ppf(0.975, 2) * sigma * np.sqrt(2 / 2)
     ours = {c.claim: c.ours for c in section.claims}["Full AttnRes beats the baseline, each at its tuned learning rate"]
     assert f"± {half:.4f}" in ours
+
+
+def test_multihop_counts_the_runs_above_chance_per_hop_and_leaves_an_unlearned_depth_untested(tmp_path):
+    """Learned at one hop (0.9 against a copy level of 0.3) but at chance at 4 hops in every run:
+    the 4-hop claims are "not tested", the mean over hop counts is judged, and the section counts
+    the runs above chance at each hop count from their own Wilson intervals (200 prompts each)."""
+    runs = _probe_runs(gain=0.0)
+    for k in (1, 2, 3, 4):
+        runs[f"probe_copy_hop_{k}"] = 0.3
+    runs["probe_acc_hop_2"] = 0.3 + 0.2 * (runs["variant"] == "block")  # block alone learns 2 hops
+    runs["probe_acc_hop_4"] = 0.3 + 0.01 * (runs["variant"] == "block")  # within chance for all
+    section = sec.multihop_section(runs, tmp_path)
+    verdicts = {c.claim: c.verdict for c in section.claims}
+    assert verdicts["block answers multi-hop chains better than the baseline (at 4 hops)"] == "not tested"
+    assert verdicts["block answers multi-hop chains better than the baseline (mean over hop counts)"] == "agrees"
+    assert "1: 9 of 9, 2: 3 of 9" in section.text and "4: 0 of 9" in section.text

@@ -199,6 +199,8 @@ def test_compact_format_is_the_same_chains_without_separators():
         assert len(c.text) == compact.example_len == 2 * 6 + 3 + 3 * 2 + 1
     with pytest.raises(DataError):
         MultiHopProbe(format="json")
+    with pytest.raises(DataError):  # refused by every source, not only the probe
+        load_data(DataConfig(name="stdlib", format="json", max_bytes=100_000), 64)
 
 
 def test_answers_only_in_the_compact_format_keeps_the_digit_after_each_query():

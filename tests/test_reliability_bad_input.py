@@ -89,6 +89,10 @@ CASES = {
                                       "train.batch_size=16777216, train.seq_len=32: one micro-batch of 16777216 × 32 "
                                       "tokens needs about"),
     "a rope_theta that gives NaN": (["model.rope_theta=0"], "model.rope_theta=0.0 must be positive"),
+    "a negative embed_std": (["model.embed_std=-1"], "model.embed_std=-1.0"),
+    "a probe format that does not exist": (["data=multihop", "data.format=json"], "data.format='json'"),
+    "aligned probe rows of the wrong length": (["data=multihop", "data.n_vars=6", "data.format=compact",
+                                                "data.aligned=true"], "data.aligned=true"),
     "a negative init_std": (["-m", "residual=baseline,block", "model.init_std=-1"],
                             "model.init_std=-1.0 must be a finite number >= 0"),
     # The config's own line named the sampled value (model.layers=2.0), which the user never typed.

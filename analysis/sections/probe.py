@@ -109,8 +109,12 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
                   "chain (probe/copy_hop_k, from the held-out prompts).\n\n" if copied else
                 f"{CHANCE:g} (one of ten digits; these runs predate probe/copy_hop_k, and a model "
                 "that copies any digit of the prompt, following no chain, scores above it).\n\n"))
-    # A run learned the probe when its own Wilson interval at one hop lies above that hop's chance.
-    at_chance = not any(wilson([a], per_hop)[1] > levels[k1] for a in runs[hops[0][1]])
+    # A run learned the probe at k hops when its own Wilson interval there lies above k's chance.
+    learned = {k: int(sum(wilson([a], per_hop)[1] > levels[k] for a in runs[c])) for k, c in hops}
+    at_chance = learned[k1] == 0
+    text += ("Runs above chance at each hop count (their own 95% Wilson interval above its chance): "
+             + ", ".join(f"{k}: {n} of {runs[c].notna().sum()}" for (k, c), n in zip(hops, learned.values()))
+             + ".\n\n")
     if at_chance:
         text += (f"**No run is above chance at {hops[0][0]} hop** (the best "
                  f"{hops[0][0]}-hop accuracy of any run is {runs[hops[0][1]].max():.3f}): at this "
@@ -124,17 +128,18 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
         g = runs[runs["variant"] == v]
         if base.empty or g.empty:
             continue
-        for stat, what in (("probe_mean", "mean over hop counts"),
-                           ("probe_deepest", f"at {hops[-1][0]} hops")):
+        deepest = hops[-1][0]
+        for stat, what, untested, why in (
+                ("probe_mean", "mean over hop counts", at_chance, "every run at chance, the probe was not learned"),
+                ("probe_deepest", f"at {deepest} hops", learned[deepest] == 0, f"every run at chance at {deepest} hops")):
             c = compare(g[stat], base[stat], g["seed"] if "seed" in g else None,
                         base["seed"] if "seed" in base else None)
             d, h = c.diff, c.half
-            # A probe no model learned even at one hop says nothing about depth: "not tested",
-            # not "inconclusive" (which promises that more seeds could settle it).
+            # A hop count no model learned says nothing about depth: "not tested", not
+            # "inconclusive" (which promises that more seeds could settle it).
             claims.append(Claim(f"{v} answers multi-hop chains better than the baseline ({what})",
-                                f"Δ accuracy = {_f(d, 3)} ± {_f(h, 3)}"
-                                + ("; every run at chance, the probe was not learned" if at_chance else ""),
-                                "not tested" if at_chance
+                                f"Δ accuracy = {_f(d, 3)} ± {_f(h, 3)}" + (f"; {why}" if untested else ""),
+                                "not tested" if untested
                                 else _verdict(d - h, d + h, better_is_negative=False),
-                                np.nan if at_chance else c.p))
+                                np.nan if untested else c.p))
     return Section(title, text + _img(files, out, "multi-hop probe"), claims, files)

@@ -14,6 +14,7 @@ import torch
 
 SOURCES: tuple[str, ...] = ("stdlib", "text", "shards", "nanogpt", "multihop")
 LOSS_ON: tuple[str, ...] = ("all", "answers")  # data.loss_on: which targets the loss is taken on
+FORMATS: tuple[str, ...] = ("assign", "compact")  # data.format: "x=3;" and "?x=", or "x3" and "?x" (multihop)
 
 
 class DataError(ValueError):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .config import LOSS_ON, SOURCES, DataConfig, DataError, TokenData
+from .config import FORMATS, LOSS_ON, SOURCES, DataConfig, DataError, TokenData
 from .corpus import list_stdlib_files, list_text_files, load_corpus, stdlib_root
 from .multihop import MultiHopProbe
 from .shards import load_nanogpt, load_shard_folder
@@ -33,6 +33,8 @@ def _check_settings(cfg: DataConfig, seq_len: int) -> None:
         raise DataError(f"seq_len={seq_len}: must be positive")
     if cfg.loss_on not in LOSS_ON:
         raise DataError(f"data.loss_on={cfg.loss_on!r}: allowed: {', '.join(LOSS_ON)}")
+    if cfg.format not in FORMATS:
+        raise DataError(f"data.format={cfg.format!r}: allowed: {', '.join(FORMATS)}")
     if cfg.loss_on == "answers" and cfg.name != "multihop":
         raise DataError(f"data.loss_on=answers needs data.name=multihop (the answers are its queries' "
                         f"digits), got data.name={cfg.name}")

@@ -16,12 +16,11 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .config import DataConfig, DataError
+from .config import FORMATS, DataConfig, DataError
 
 SEPARATOR = "\n"
 LETTERS = string.ascii_lowercase
 DIGITS = string.digits
-FORMATS = ("assign", "compact")  # data.format: "x=3;" statements and "?x=" queries, or "x3" and "?x"
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,16 @@ training stream? A bare loop over the probe's own examples, printing 1-hop accur
     python results/pilot/probe_lookup.py --shifted-copy                    # control: a copy at a fixed offset
     python results/pilot/probe_lookup.py --plain --compact --aligned --n-vars 4 --queries 3 --rows 32 --data-seed 1
     python results/pilot/probe_lookup.py --recall --steps 10000        # control: associative recall, no probe
+    python results/pilot/probe_lookup.py --recall --embed-std 1 --init-std 0.125 --ascii --marks --unique --onset --model-seed 2
 
 Each optimizer step sees about 2048 tokens, as a harness step does (batch 16 × 128); the loss is on
 the answers only. --aligned: one example per row (no earlier example in the context), else random
 128-token windows of the example stream, as the harness trains. 100 held-out prompts per hop count.
 --plain: an independent transformer instead of the project's DecoderLM (learned positions,
 LayerNorm, torch's MultiheadAttention, GELU MLP, torch's default init), to tell the task from the model.
---data-seed: the order of the batches (the model's initial weights stay those of seed 0).
+--data-seed: the order of the batches; --model-seed: the model's initial weights.
+--recall's --ascii, --marks, --unique: the probe's differences from the recall control
+(recall_task.py); --onset: evaluate every 100 steps and stop at the first above 0.9.
 """
 import argparse
 import time
@@ -44,7 +47,12 @@ ap.add_argument("--plain", action="store_true")
 ap.add_argument("--init-std", type=float, default=0.02, help="DecoderLM's model.init_std")
 ap.add_argument("--embed-std", type=float, default=None, help="DecoderLM: draw the token embeddings again from N(0, this²)")
 ap.add_argument("--recall", action="store_true")
+ap.add_argument("--ascii", action="store_true")
+ap.add_argument("--marks", action="store_true")
+ap.add_argument("--unique", action="store_true")
+ap.add_argument("--onset", action="store_true")
 ap.add_argument("--data-seed", type=int, default=0)
+ap.add_argument("--model-seed", type=int, default=0)
 ap.add_argument("--rows", type=int, default=0, help="--aligned: rows per step (default: about 2048 tokens)")
 args = ap.parse_args()
 
@@ -79,7 +87,7 @@ class Plain(nn.Module):
 
 
 torch.set_num_threads(1)
-torch.manual_seed(0)
+torch.manual_seed(args.model_seed)
 model = (Plain(args.d_model, args.heads, args.layers) if args.plain else
          DecoderLM(ModelConfig(vocab_size=256, d_model=args.d_model, layers=args.layers, n_heads=args.heads,
                                d_ff=3 * args.d_model, max_seq_len=128, init_std=args.init_std),
@@ -116,16 +124,23 @@ if args.shifted_copy:  # 32 random letters twice: the second half is a copy at o
     raise SystemExit
 
 if args.recall:  # the associative-recall control (recall_task.py)
-    held_x, held_y = recall_batch(500, gen)
+    layout = dict(ascii=args.ascii, marks=args.marks, unique=args.unique)
+    held_x, held_y = recall_batch(500, gen, **layout)
     for step in range(args.steps + 1):
-        if step % 250 == 0:
+        if step % (100 if args.onset else 250) == 0:
             model.eval()
             with torch.no_grad():
                 scored = held_y != -100
-                print(step, f"{time.time() - start:.0f}s",
-                      round(float((model(held_x)[0].argmax(-1)[scored] == held_y[scored]).float().mean()), 3), flush=True)
+                accuracy = float((model(held_x)[0].argmax(-1)[scored] == held_y[scored]).float().mean())
+            print(step, f"{time.time() - start:.0f}s", round(accuracy, 3), flush=True)
+            if args.onset and accuracy > 0.9:
+                print("onset", step)
+                break
             model.train()
-        train_step(*recall_batch(args.rows or 32, gen), step)
+        train_step(*recall_batch(args.rows or 32, gen, **layout), step)
+    else:
+        if args.onset:
+            print("onset none")
     raise SystemExit
 
 hops = [int(h) for h in args.hops.split(",")]
