@@ -87,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     mer = sub.add_parser("merge", help="one snapshot from snapshots of different stores")
     mer.add_argument("snapshots", nargs="+", metavar="CSV", help="run CSVs written by `export`")
     mer.add_argument("--out", required=True, help="CSV path of the merged snapshot")
+    mer.add_argument("--without-sweep", action="append", default=[], metavar="SWEEP",
+                     help="leave this sweep's runs out (repeatable): a sweep re-run at a new recipe")
     return ap
 
 
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
     try:
         _check_out(Path(args.out).expanduser().absolute(), folder=args.command not in ("export", "merge"))
         if args.command == "merge":
-            runset = merge_snapshots(args.snapshots)
+            runset = merge_snapshots(args.snapshots, args.without_sweep)
             paths = export_snapshot(runset, args.out)
             print(f"wrote {len(runset.runs)} runs to {', '.join(map(str, paths))}")
             return 0

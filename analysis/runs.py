@@ -324,12 +324,13 @@ def export_snapshot(runset: RunSet, path) -> list[Path]:
     return [path, hist_path, inst_path]
 
 
-def merge_snapshots(paths) -> RunSet:
+def merge_snapshots(paths, without_sweeps=()) -> RunSet:
     """One run set from snapshots exported from different stores (a study trained on two
     machines, or continued after its store was lost). A run id in two snapshots is refused: it
     is one run exported twice. Runs of one config in both are kept, and `latest_per_config`
-    counts them once, as it does within one store."""
-    sets = [import_snapshot(p) for p in paths]
+    counts them once, as it does within one store. `without_sweeps`: sweeps whose runs are left
+    out with their histories and instrumentation (a sweep re-run at a new recipe replaces them)."""
+    sets = [_without(import_snapshot(p), set(without_sweeps)) for p in paths]
     seen: dict[str, str] = {}
     for path, rs in zip(paths, sets):
         for rid in rs.runs["run_id"]:
@@ -343,6 +344,16 @@ def merge_snapshots(paths) -> RunSet:
     return RunSet(runs=_tidy(rows), histories=histories,
                   instrumentation={k: v for rs in sets for k, v in rs.instrumentation.items()},
                   source="snapshots " + ", ".join(Path(p).name for p in paths))
+
+
+def _without(rs: RunSet, sweeps: set) -> RunSet:
+    if not sweeps:
+        return rs
+    kept = rs.runs[~rs.runs["sweep"].isin(sweeps)].reset_index(drop=True) if "sweep" in rs.runs else rs.runs
+    ids = set(kept["run_id"])
+    return RunSet(runs=kept, histories=rs.histories[rs.histories["run_id"].isin(ids)].reset_index(drop=True),
+                  instrumentation={k: v for k, v in rs.instrumentation.items() if k in ids}, source=rs.source,
+                  adaptive=rs.adaptive)
 
 
 def import_snapshot(path) -> RunSet:

@@ -67,6 +67,27 @@ def test_merged_snapshots_equal_the_snapshot_of_one_store(tmp_path):
     assert not (tmp_path / "twice.csv").exists()
 
 
+def test_a_sweep_left_out_of_a_merge_is_what_a_rerun_of_it_replaces(tmp_path):
+    """`merge --without-sweep multihop` drops that sweep's runs, histories and instrumentation and
+    nothing else; merging the rest with a snapshot of those runs alone gives back the committed
+    snapshot byte for byte (what the study did when the probe was re-run)."""
+    whole = REPO / "results" / "runs.csv"
+    rs = import_snapshot(whole)
+    probe = set(rs.runs.loc[rs.runs["sweep"] == "multihop", "run_id"])
+    assert probe and len(probe) < len(rs.runs)
+    export_snapshot(RunSet(rs.runs[rs.runs["run_id"].isin(probe)].reset_index(drop=True),
+                           rs.histories[rs.histories["run_id"].isin(probe)].reset_index(drop=True),
+                           {k: v for k, v in rs.instrumentation.items() if k in probe}), tmp_path / "probe.csv")
+    assert analysis_main(["merge", str(whole), "--without-sweep", "multihop", "--out", str(tmp_path / "rest.csv")]) == 0
+    rest = import_snapshot(tmp_path / "rest.csv")
+    assert set(rest.runs["run_id"]) == set(rs.runs["run_id"]) - probe
+    assert not probe & set(rest.histories["run_id"]) and not probe & set(rest.instrumentation)
+    assert analysis_main(["merge", str(tmp_path / "rest.csv"), str(tmp_path / "probe.csv"),
+                          "--out", str(tmp_path / "merged.csv")]) == 0
+    for suffix in (".csv", ".history.csv", ".instrumentation.json"):
+        assert (tmp_path / f"merged{suffix}").read_bytes() == whole.with_name(f"runs{suffix}").read_bytes()
+
+
 @pytest.mark.parametrize("content, needle", [
     ("", "is not a run CSV"),
     ("run_id,variant\nx,baseline\n", "lacks columns: status, final_val_loss"),
