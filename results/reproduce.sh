@@ -10,8 +10,8 @@
 #   bash results/reproduce.sh
 #
 # Lane time, from this machine's runs at this commit (about 3 minutes per ablation run): ablation
-# 2.9-3.3 h, learning-rate grid 0.6, block size 0.8, scaling 0.7, arch 0.8, probe 0.6 hours of one
-# lane: about 4 hours in two lanes.
+# 2.9-3.3 h, learning-rate grid 0.6, block size 0.8, scaling 0.7, arch 0.8 hours of one lane; the
+# probe, 4 runs a lane of 8-16 minutes each (0.6-1 h): about 4 hours in two lanes.
 #
 # Resumable: run the same command again after an interruption. Every job's folder is keyed by its
 # resolved config (harness/checkpoint.py), so finished runs return their recorded result without
