@@ -14,7 +14,7 @@ def probe_metrics(model, data_cfg, max_per_hop: Optional[int] = None, batch_size
 
     cfg = data_cfg if data_cfg.name == "multihop" else DataConfig(name="multihop")
     probe = MultiHopProbe.from_config(cfg)
-    need = probe.example_len + 1  # the "\n" before the prompt
+    need = 1 + probe.prompt_len  # the "\n" before the prompt; the digit is read at its last position
     if model.config.max_seq_len < need:
         raise ValueError(f"the probe needs {need} positions, the model's max_seq_len is {model.config.max_seq_len}")
     device = next(model.parameters()).device

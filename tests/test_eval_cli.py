@@ -293,3 +293,24 @@ def test_gpt2_end_of_text_counts_no_bytes():
     tok._enc, tok.eot_id, tok.vocab_size = Encoding(), 50256, 50257
     assert tok.token_bytes(50256) == b"" and tok.token_bytes(7) == b"ab" and tok.token_bytes(50300) == b""
     assert tok.label(50256) == "<|endoftext|>"
+
+
+def test_the_probe_scores_a_model_whose_context_is_one_aligned_example():
+    """A model trained on aligned compact rows has max_seq_len = the example length (21 tokens
+    here), more than the 1 + 10 positions a prompt takes; one position fewer is refused."""
+    from evaluation.probe import probe_metrics
+    from harness.data import DataConfig, MultiHopProbe
+
+    cfg = DataConfig(name="multihop", hops=[1, 2], n_vars=4, queries=3, format="compact", aligned=True,
+                     val_examples=20)
+    probe = MultiHopProbe.from_config(cfg)
+    assert (probe.prompt_len, probe.example_len) == (10, 21)
+    for length, ok in ((probe.example_len, True), (probe.prompt_len + 1, True), (probe.prompt_len, False)):
+        torch.manual_seed(0)
+        model = DecoderLM(ModelConfig(d_model=32, layers=2, n_heads=2, max_seq_len=length))
+        if ok:
+            found = probe_metrics(model, cfg)
+            assert set(found) == {"acc_hop1", "acc_hop2", "acc"} and all(0 <= v <= 1 for v in found.values())
+        else:
+            with pytest.raises(ValueError):
+                probe_metrics(model, cfg)

@@ -110,12 +110,14 @@ class MultiHopProbe:
                    cfg.queries, cfg.format, cfg.aligned)
 
     @property
+    def prompt_len(self) -> int:
+        """Tokens per prompt: n_vars statements "x=y;" and the query "?x=" (compact: "xy", "?x")."""
+        return (2 + len(self._eq) + len(self._end)) * self.n_vars + 2 + len(self._eq)
+
+    @property
     def example_len(self) -> int:
-        """Tokens per example: n_vars statements "x=y;", the query "?x=", the digit, `queries`
-        more "?y=d", the newline (compact: "xy", "?x", the digit, "?yd", the newline)."""
-        statement = 2 + len(self._eq) + len(self._end)
-        query = 2 + len(self._eq)
-        return statement * self.n_vars + query + 1 + (query + 1) * self.queries + 1
+        """Tokens per example: the prompt, the digit, `queries` more "?y=d" ("?yd"), the newline."""
+        return self.prompt_len + 1 + (3 + len(self._eq)) * self.queries + 1
 
     # --- generation ----------------------------------------------------------------------------
     def _rng(self, split: str, k: int) -> random.Random:
