@@ -145,23 +145,15 @@ if args.recall:  # the associative-recall control (recall_task.py)
 
 hops = [int(h) for h in args.hops.split(",")]
 probe = MultiHopProbe(hops, args.n_vars, train_examples=200000 if args.aligned else 100000,
-                      val_examples=100 * len(hops), queries=args.queries)
-encode = (lambda s: s.replace("=", "").replace(";", "")) if args.compact else (lambda s: s)
+                      val_examples=100 * len(hops), queries=args.queries,
+                      format="compact" if args.compact else "assign")
 examples = probe.train_set()
 if args.aligned:
-    rows = torch.tensor([list(("\n" + encode(e.text)).encode()) for e in examples])
+    rows = torch.tensor([list(("\n" + e.text).encode()) for e in examples])
 else:
-    stream = torch.tensor(list("".join(encode(e.text) for e in examples).encode()))
-val = {k: ([list(("\n" + encode(e.prompt)).encode()) for e in exs], [ord(e.answer) for e in exs])
+    stream = torch.tensor(list("".join(e.text for e in examples).encode()))
+val = {k: ([list(("\n" + e.prompt).encode()) for e in exs], [ord(e.answer) for e in exs])
        for k, exs in probe.val_set().items()}
-
-
-def answers(x, y):  # the digit after "?v=" (or "?v" in the compact form)
-    if not args.compact:
-        return answers_only(x, y)
-    mask = torch.zeros_like(y, dtype=torch.bool)
-    mask[:, 1:] = x[:, :-1] == ord("?")
-    return y.masked_fill(~mask, -100)
 
 
 @torch.no_grad()
@@ -183,4 +175,4 @@ for step in range(args.steps + 1):
         starts = torch.randint(0, stream.numel() - 129, (16,), generator=gen)
         batch = torch.stack([stream[i:i + 129] for i in starts])
     x, y = batch[:, :-1], batch[:, 1:]
-    train_step(x, answers(x, y), step)
+    train_step(x, answers_only(x, y, args.compact), step)
