@@ -107,6 +107,21 @@ def test_multihop_wilson_interval_pools_the_runs_prompts(tmp_path):
     assert "The baseline at 1 hop: Wilson interval" in section.text and "above chance (0.100)" in section.text
 
 
+def test_multihop_section_judges_the_baseline_at_every_hop_count(tmp_path):
+    """The baseline's pooled Wilson interval is set against each hop count's own copy level: at
+    0.9 / 0.45 / 0.3 / 0.225 against copy levels 0.3 / 0.35 / 0.4 / 0.45 it has learned 1 and 2
+    hops, and 3 and 4 (below their copy levels) it has not."""
+    runs = _probe_runs(gain=0.0)
+    for k, level in zip((1, 2, 3, 4), (0.3, 0.35, 0.4, 0.45)):
+        runs[f"probe_copy_hop_{k}"] = level
+    lines = {ln.split(":")[0]: ln for ln in sec.multihop_section(runs, tmp_path).text.splitlines()
+             if ln.startswith("The baseline at")}
+    assert set(lines) == {"The baseline at 1 hop", "The baseline at 2 hops", "The baseline at 3 hops",
+                          "The baseline at 4 hops"}
+    assert [("not above" in lines[k]) for k in sorted(lines)] == [False, False, True, True]
+    assert "The baseline learned the probe at 1, 2 hops." in sec.multihop_section(runs, tmp_path).text
+
+
 def test_multihop_section_says_so_when_every_run_is_at_chance(tmp_path):
     runs = _probe_runs(gain=0.0)
     assert "No run is above chance" not in sec.multihop_section(runs, tmp_path).text  # 1-hop ≈ 0.9: learned

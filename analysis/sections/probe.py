@@ -97,11 +97,15 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
     levels = {k: _level(runs, k) for k, _ in hops}
     copied = any(levels[k] != CHANCE for k in levels)
     if "baseline" in t1.index:
-        lo = t1.loc["baseline", f"hop {k1} wilson_lo"]
-        text += (f"\nThe baseline at {k1} hop: Wilson interval [{_f(lo, 3)}, "
-                 f"{_f(t1.loc['baseline', f'hop {k1} wilson_hi'], 3)}], "
-                 + (f"above chance ({levels[k1]:.3f}): the probe was learned at one hop.\n"
-                    if lo > levels[k1] else f"not above chance ({levels[k1]:.3f}).\n"))
+        text += "\n"
+        for k, _ in hops:  # pooled over the baseline's runs, against that hop count's chance
+            lo, hi = t1.loc["baseline", f"hop {k} wilson_lo"], t1.loc["baseline", f"hop {k} wilson_hi"]
+            text += (f"The baseline at {k} hop{'s' if k > 1 else ''}: Wilson interval "
+                     f"[{_f(lo, 3)}, {_f(hi, 3)}], {'' if lo > levels[k] else 'not '}above chance "
+                     f"({levels[k]:.3f}).\n")
+        above = [k for k, _ in hops if t1.loc["baseline", f"hop {k} wilson_lo"] > levels[k]]
+        text += (f"The baseline learned the probe at {', '.join(map(str, above))} "
+                 f"hop{'s' if above != [1] else ''}.\n" if above else "")
     text += ("\nAccuracy: exact greedy answer on held-out chains, mean ± 95% t-interval over seeds, "
              f"{len(hops)} hop counts. Chance per hop: "
              + (", ".join(f"{k}: {v:.3f}" for k, v in levels.items())
