@@ -9,9 +9,10 @@
 #
 #   bash results/reproduce.sh
 #
-# Lane time, from this machine's runs at this commit (about 3 minutes per ablation run): ablation
-# 2.9-3.3 h, learning-rate grid 0.6, block size 0.8, scaling 0.7, arch 0.8 hours of one lane; the
-# probe, 4 runs a lane of 8-16 minutes each (0.6-1 h): about 4 hours in two lanes.
+# Lane time, from the runs' own train_seconds in results/runs.csv plus a few seconds a job (the
+# first ablation runs, which overlapped other work, at their variant's median): ablation 2.3,
+# learning-rate grid 0.4, block size 0.6, scaling 0.7 and 0.5, arch 0.2 hours of each lane; the
+# probe, 3 runs a lane of 22-26 minutes (1.2 h): about 5.5 hours in two lanes.
 #
 # Resumable: run the same command again after an interruption. Every job's folder is keyed by its
 # resolved config (harness/checkpoint.py), so finished runs return their recorded result without
@@ -42,9 +43,9 @@ lane() {  # lane 0 or 1
   local others=(denseformer,hc,full_input_query,full_scalar,block_no_rmsnorm
                 mhc,full_sigmoid,full_no_rmsnorm,sliding_window,block_multihead)
   python run.py -m +sweep=study_cpu "${common[@]}" residual="${others[$l]}" train.seed=0,1 || return 1
-  local sizes=(5e4,1.41e5,4e5 8.4e4,2.38e5)
+  local sizes=(4e5 5e4,8.4e4,1.41e5,2.38e5)  # the largest size alone: the lanes even
   python run.py -m +sweep=scaling "${common[@]}" sweep.arch.params="${sizes[$l]}" || return 1
-  local ratios=(8,18,40 12,27)
+  local ratios=(18,27 8,12,40)
   python run.py -m +sweep=arch "${common[@]}" sweep.arch.d_model_per_layer="${ratios[$l]}" train.seed=0,1 || return 1
   python run.py -m +sweep=multihop "${common[@]}" train.seed="$l" || return 1
 }
