@@ -11,8 +11,8 @@
 #
 # Lane time, from the runs' own train_seconds in results/runs.csv plus a few seconds a job (the
 # first ablation runs, which overlapped other work, at their variant's median): ablation 2.3,
-# learning-rate grid 0.4, block size 0.6, scaling 0.7 and 0.5, arch 0.2 hours of each lane; the
-# probe, 3 runs a lane of 22-26 minutes (1.2 h): about 5.5 hours in two lanes.
+# learning-rate grid 0.4, block size 0.6, scaling 0.7 and 0.5, arch 0.2 and 0.4 hours of lanes 0
+# and 1; the probe, 3 runs a lane of 24-29 minutes (1.3 h): about 5.6 hours in two lanes.
 #
 # Resumable: run the same command again after an interruption. Every job's folder is keyed by its
 # resolved config (harness/checkpoint.py), so finished runs return their recorded result without
