@@ -119,7 +119,7 @@ _gpu_sweep = pytest.mark.slow  # the GPU presets compose as the CPU ones do: che
 @pytest.mark.parametrize("name,jobs", [
     ("ablation", 39), pytest.param("ablation_gpu", 39, marks=_gpu_sweep), ("block_size", 14),
     pytest.param("block_size_gpu", 14, marks=_gpu_sweep), ("scaling", 30), pytest.param("scaling_gpu", 15, marks=_gpu_sweep),
-    ("arch", 30), pytest.param("arch_gpu", 50, marks=_gpu_sweep), ("multihop", 8), ("tuned_lr", 26),
+    ("arch", 30), pytest.param("arch_gpu", 50, marks=_gpu_sweep), ("multihop", 6), ("tuned_lr", 26),
 ])
 def test_every_job_of_every_sweep_validates(name, jobs):
     """Every job composes and validates (the GPU grids repeat the CPU ones' structure: first,
