@@ -98,6 +98,14 @@ class RunSet:
         """The FINISHED runs, the latest of each config and seed (`latest_per_config`)."""
         return latest_per_config(self.runs[self.runs["status"] == "FINISHED"])[0]
 
+    def only(self, run_ids) -> "RunSet":
+        """These runs alone, with their histories and instrumentation."""
+        ids = set(run_ids)
+        return RunSet(runs=self.runs[self.runs["run_id"].isin(ids)].reset_index(drop=True),
+                      histories=self.histories[self.histories["run_id"].isin(ids)].reset_index(drop=True),
+                      instrumentation={k: v for k, v in self.instrumentation.items() if k in ids},
+                      source=self.source, adaptive=self.adaptive)
+
 
 def latest_per_config(finished: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(kept, superseded). Finished runs sharing an ``attnres.run_key`` (the hash of the whole
@@ -347,13 +355,9 @@ def merge_snapshots(paths, without_sweeps=()) -> RunSet:
 
 
 def _without(rs: RunSet, sweeps: set) -> RunSet:
-    if not sweeps:
+    if not sweeps or "sweep" not in rs.runs:
         return rs
-    kept = rs.runs[~rs.runs["sweep"].isin(sweeps)].reset_index(drop=True) if "sweep" in rs.runs else rs.runs
-    ids = set(kept["run_id"])
-    return RunSet(runs=kept, histories=rs.histories[rs.histories["run_id"].isin(ids)].reset_index(drop=True),
-                  instrumentation={k: v for k, v in rs.instrumentation.items() if k in ids}, source=rs.source,
-                  adaptive=rs.adaptive)
+    return rs.only(rs.runs.loc[~rs.runs["sweep"].isin(sweeps), "run_id"])
 
 
 def import_snapshot(path) -> RunSet:

@@ -54,10 +54,7 @@ def test_merged_snapshots_equal_the_snapshot_of_one_store(tmp_path):
     ids = sorted(rs.runs["run_id"])
     halves = {"a": set(ids[::2]), "b": set(ids[1::2])}
     for name, part in halves.items():
-        export_snapshot(RunSet(rs.runs[rs.runs["run_id"].isin(part)].reset_index(drop=True),
-                               rs.histories[rs.histories["run_id"].isin(part)].reset_index(drop=True),
-                               {k: v for k, v in rs.instrumentation.items() if k in part}),
-                        tmp_path / f"{name}.csv")
+        export_snapshot(rs.only(part), tmp_path / f"{name}.csv")
     assert analysis_main(["merge", str(tmp_path / "b.csv"), str(tmp_path / "a.csv"),
                           "--out", str(tmp_path / "merged.csv")]) == 0
     for suffix in (".csv", ".history.csv", ".instrumentation.json"):
@@ -75,9 +72,7 @@ def test_a_sweep_left_out_of_a_merge_is_what_a_rerun_of_it_replaces(tmp_path):
     rs = import_snapshot(whole)
     probe = set(rs.runs.loc[rs.runs["sweep"] == "multihop", "run_id"])
     assert probe and len(probe) < len(rs.runs)
-    export_snapshot(RunSet(rs.runs[rs.runs["run_id"].isin(probe)].reset_index(drop=True),
-                           rs.histories[rs.histories["run_id"].isin(probe)].reset_index(drop=True),
-                           {k: v for k, v in rs.instrumentation.items() if k in probe}), tmp_path / "probe.csv")
+    export_snapshot(rs.only(probe), tmp_path / "probe.csv")
     assert analysis_main(["merge", str(whole), "--without-sweep", "multihop", "--out", str(tmp_path / "rest.csv")]) == 0
     rest = import_snapshot(tmp_path / "rest.csv")
     assert set(rest.runs["run_id"]) == set(rs.runs["run_id"]) - probe

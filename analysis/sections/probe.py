@@ -98,12 +98,14 @@ def multihop_section(runs: pd.DataFrame, out: Path) -> Section:
     copied = any(levels[k] != CHANCE for k in levels)
     if "baseline" in t1.index:
         text += "\n"
+        above = []
         for k, _ in hops:  # pooled over the baseline's runs, against that hop count's chance
             lo, hi = t1.loc["baseline", f"hop {k} wilson_lo"], t1.loc["baseline", f"hop {k} wilson_hi"]
+            if lo > levels[k]:
+                above.append(k)
             text += (f"The baseline at {k} hop{'s' if k > 1 else ''}: Wilson interval "
                      f"[{_f(lo, 3)}, {_f(hi, 3)}], {'' if lo > levels[k] else 'not '}above chance "
                      f"({levels[k]:.3f}).\n")
-        above = [k for k, _ in hops if t1.loc["baseline", f"hop {k} wilson_lo"] > levels[k]]
         text += (f"The baseline learned the probe at {', '.join(map(str, above))} "
                  f"hop{'s' if above != [1] else ''}.\n" if above else "")
     text += ("\nAccuracy: exact greedy answer on held-out chains, mean ± 95% t-interval over seeds, "

@@ -175,4 +175,4 @@ for step in range(args.steps + 1):
         starts = torch.randint(0, stream.numel() - 129, (16,), generator=gen)
         batch = torch.stack([stream[i:i + 129] for i in starts])
     x, y = batch[:, :-1], batch[:, 1:]
-    train_step(x, answers_only(x, y, args.compact), step)
+    train_step(x, answers_only(x, y, compact=args.compact), step)
