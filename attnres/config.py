@@ -44,10 +44,18 @@ class ModelConfig:
     d_ff: Optional[int] = None  # None: SwiGLU width ≈ 8/3·d_model rounded up to a multiple of 32
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # every RMSNorm's epsilon, unless one of the three below names its own
+    prenorm_eps: Optional[float] = None  # the sublayers' PreNorms; None: norm_eps
+    residual_norm_eps: Optional[float] = None  # the residual's own norms (depth-read keys, HC streams); None: norm_eps
+    final_norm_eps: Optional[float] = None  # the norm before the LM head; None: norm_eps
     tie_embeddings: bool = False
     init_std: float = 0.02
     embed_std: Optional[float] = None  # σ of the token embedding; None: init_std (GPT-2's choice)
+
+    def eps(self, norm: str) -> float:
+        """The epsilon of one family of norms: "prenorm", "residual_norm" or "final_norm"."""
+        own = getattr(self, f"{norm}_eps")
+        return self.norm_eps if own is None else own
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -65,6 +73,10 @@ class ModelConfig:
             raise ValueError(f"model.embed_std={self.embed_std} must be a finite number >= 0 (or null: model.init_std)")
         if not 0 <= float(self.norm_eps) < float("inf"):
             raise ValueError(f"model.norm_eps={self.norm_eps} must be a finite number >= 0")
+        for key in ("prenorm_eps", "residual_norm_eps", "final_norm_eps"):
+            value = getattr(self, key)
+            if value is not None and not 0 <= float(value) < float("inf"):
+                raise ValueError(f"model.{key}={value} must be a finite number >= 0 (or null: model.norm_eps)")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"

@@ -170,7 +170,7 @@ class Sublayer(nn.Module):
     def __init__(self, kind: str, cfg: ModelConfig):
         super().__init__()
         self.kind = kind  # "attn" or "mlp": the analysis draws the two kinds of rows apart
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.eps("prenorm"))
         self.op = CausalSelfAttention(cfg) if kind == "attn" else SwiGLU(cfg)
 
     def forward(self, h: torch.Tensor, cache: Optional[KVCache] = None, slot: int = 0) -> torch.Tensor:

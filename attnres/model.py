@@ -30,8 +30,8 @@ class DecoderLM(nn.Module):
         self.sublayers = nn.ModuleList(
             Sublayer(kind, model) for _ in range(model.layers) for kind in ("attn", "mlp")
         )
-        self.residual = build_residual(self.residual_config, d, model.sublayers, eps=model.norm_eps)
-        self.norm = RMSNorm(d, eps=model.norm_eps)
+        self.residual = build_residual(self.residual_config, d, model.sublayers, eps=model.eps("residual_norm"))
+        self.norm = RMSNorm(d, eps=model.eps("final_norm"))
         self.lm_head = nn.Linear(d, model.vocab_size, bias=False)
         if model.tie_embeddings:
             self.lm_head.weight = self.embed.weight

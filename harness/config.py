@@ -119,7 +119,8 @@ def register_resolvers() -> None:
 # Options added after runs existed, at the value that computes what those runs computed: a run
 # at that value keeps the key it had before the option existed (a study resumed after an update
 # finds its finished runs instead of training them again).
-NEUTRAL = {"data.loss_on": "all", "data.format": "assign", "data.aligned": False, "model.embed_std": None}
+NEUTRAL = {"data.loss_on": "all", "data.format": "assign", "data.aligned": False, "model.embed_std": None,
+           "model.prenorm_eps": None, "model.residual_norm_eps": None, "model.final_norm_eps": None}
 NOT_IDENTITY = (
     "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
     "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",
@@ -435,6 +436,9 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "model.max_seq_len": (1, 2**24, False, False),
     "model.rope_theta": POSITIVE,
     "model.norm_eps": NON_NEGATIVE,
+    "model.prenorm_eps": NON_NEGATIVE,
+    "model.residual_norm_eps": NON_NEGATIVE,
+    "model.final_norm_eps": NON_NEGATIVE,
     "model.init_std": NON_NEGATIVE,
     "model.embed_std": NON_NEGATIVE,
     "residual.block_size": (1, 8192, False, False),

@@ -542,3 +542,25 @@ def test_embed_std_draws_the_token_embedding_alone_at_its_own_scale():
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError):
             ModelConfig(**cfg, embed_std=bad)
+
+
+@pytest.mark.parametrize("variant", ["full", "mhc", "baseline"])
+def test_each_norm_family_takes_its_own_epsilon_and_falls_back_to_norm_eps(variant):
+    """model.prenorm_eps / residual_norm_eps / final_norm_eps reach their norms only; unset, each is
+    model.norm_eps, so a model built without them is the model built before they existed (float32
+    logits equal exactly)."""
+    base = dict(d_model=32, layers=2, n_heads=2, norm_eps=1e-6)
+    split = DecoderLM(ModelConfig(**base, prenorm_eps=1e-8, residual_norm_eps=1e-7, final_norm_eps=1e-5),
+                      ResidualConfig(name=variant))
+    assert {s.norm.eps for s in split.sublayers} == {1e-8} and split.norm.eps == 1e-5
+    own = {m.eps for m in split.residual.modules() if isinstance(m, nn.RMSNorm)} | {getattr(split.residual, "eps", 1e-7)}
+    assert own == {1e-7}
+    torch.manual_seed(0)
+    a = DecoderLM(ModelConfig(**base), ResidualConfig(name=variant))
+    torch.manual_seed(0)
+    b = DecoderLM(ModelConfig(**base, prenorm_eps=1e-6, residual_norm_eps=1e-6, final_norm_eps=1e-6),
+                  ResidualConfig(name=variant))
+    idx = torch.randint(0, 256, (2, 9))
+    assert torch.equal(a(idx)[0], b(idx)[0])
+    with pytest.raises(ValueError):
+        ModelConfig(**base, residual_norm_eps=float("nan"))

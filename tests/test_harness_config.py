@@ -270,7 +270,9 @@ def test_an_option_at_its_neutral_value_leaves_the_run_key_as_it_was_before_the_
     assert run_key(with_option) != run_key(plain)
     # the probe's layout and the embedding's scale: at their defaults the run is the one before them
     for section, key, neutral, other in (("data", "format", "assign", "compact"), ("data", "aligned", False, True),
-                                         ("model", "embed_std", None, 1.0)):
+                                         ("model", "embed_std", None, 1.0), ("model", "prenorm_eps", None, 1e-8),
+                                         ("model", "residual_norm_eps", None, 1e-8),
+                                         ("model", "final_norm_eps", None, 1e-8)):
         with_option = copy.deepcopy(plain)
         with_option.setdefault(section, {})[key] = neutral
         assert NEUTRAL[f"{section}.{key}"] == neutral and run_key(with_option) == run_key(plain)
