@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import html
 import json
+import re
 
 
 def render_page(data: dict) -> str:
     """The HTML page for explorer data (see evaluation.explorer.explorer_data)."""
-    # "</" inside the JSON would close the script element early; "<\/" is the same JSON string.
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/").replace("<!--", "<\\!--")
-    return _TEMPLATE.replace("__TITLE__", html.escape(data.get("title", "Depth attention"))).replace("__DATA__", payload)
+    fill = {"__TITLE__": html.escape(str(data.get("title", "Depth attention"))), "__DATA__": script_json(data)}
+    # one pass: a title or a prompt holding "__DATA__" is text, not a place to fill
+    return re.sub("__TITLE__|__DATA__", lambda m: fill[m.group(0)], _TEMPLATE)
+
+
+# Inside <script> the HTML parser ends the element at "</script" and changes state at "<!--";
+# JSON's \u escapes of < > & (and of U+2028/2029, line ends to older JavaScript) keep the text
+# the same JSON while no such sequence can form.
+_SCRIPT_UNSAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def script_json(data) -> str:
+    """`data` as JSON text that a <script type="application/json"> element holds unchanged."""
+    text = json.dumps(data, separators=(",", ":"))
+    return re.sub("[<>&\u2028\u2029]", lambda m: _SCRIPT_UNSAFE[m.group(0)], text)
 
 
 _TEMPLATE = r"""<!DOCTYPE html>

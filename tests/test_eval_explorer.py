@@ -127,6 +127,34 @@ def test_an_out_that_cannot_be_written_leaves_nothing_half_written(checkpoint, t
     assert list(out.parent.iterdir()) == []
 
 
+HOSTILE = ["</script><script>alert(1)</script>", "<!-- x", "<script>", "a \"quoted\" 'one' & <b>",
+           "line\u2028sep\u2029", "__DATA__ __TITLE__", "</SCRIPT >", "-->"]
+
+
+def test_hostile_prompt_text_reaches_the_page_as_the_same_data(checkpoint, tmp_path):
+    """`<!--` in a prompt was written as `<\\!--`, which is no JSON escape: the page's data never
+    parsed (nor in a browser). The embedded JSON must parse back to the same data, whatever the
+    text, and no `</script` or `<!--` may appear inside the data element."""
+    from evaluation.explorer_page import render_page
+
+    out = tmp_path / "depth.html"
+    args = [str(checkpoint), "--out", str(out), "--prompts", "0"]
+    args += [f"--text={text}" for text in HOSTILE]  # (= : "-->" would read as an option)
+    assert main(args) == 0
+    page = out.read_text()
+    inner = re.search(r'<script type="application/json" id="depth-data">(.*?)</script>', page, re.S).group(1)
+    assert "<" not in inner and ">" not in inner and "&" not in inner
+    data = json.loads(inner)
+    assert [p["name"] for p in data["prompts"]] == [f"text: {t[:40]!r}" for t in HOSTILE]
+    assert len(re.findall("<script", page)) == 2  # the data element and the page's own code
+    # Every value comes back unchanged, and the title is text, not a place to fill.
+    data = {"title": "__DATA__ </title><script>", "prompts": [{"name": t} for t in HOSTILE]}
+    page = render_page(data)
+    inner = re.search(r'id="depth-data">(.*?)</script>', page, re.S).group(1)
+    assert json.loads(inner) == data
+    assert f"<title>{html.escape(data['title'])}</title>" in page
+
+
 def test_prompt_names_give_where_in_the_split_each_prompt_starts(checkpoint):
     """The offset in a prompt's name was the window's start before the move to the next line."""
     from evaluation.explorer import validation_prompts
