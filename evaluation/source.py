@@ -34,7 +34,7 @@ def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_t
         raise CheckpointError(f"--log-to {log_to!r}: not an MLflow run id (32 hex characters)")
     run = None if Path(arg).expanduser().exists() else parse_run_reference(arg)
     if run or log_to:
-        from harness.tracking import prepare_server, sqlite_path
+        from harness.tracking import prepare_server, sqlite_damage, sqlite_path
 
         db = sqlite_path(tracking_uri)
         if db is not None and not db.exists():  # MLflow would leave an empty database behind
@@ -42,6 +42,9 @@ def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_t
                 f"run {(run or parse_run_reference(log_to))[0]}: no MLflow store at {tracking_uri} (no such file); "
                 "allowed: --tracking-uri or $MLFLOW_TRACKING_URI naming the store the run was logged to "
                 "(run.py's default: <project root>/mlflow.db)")
+        damage = sqlite_damage(db) if db is not None else None
+        if damage:  # MLflow's own error is a SQLAlchemy traceback
+            raise CheckpointError(f"--tracking-uri {tracking_uri}: {damage}; allowed: the store the run was logged to")
         # A server that does not answer: one line now, not minutes of MLflow's retries.
         prepare_server(tracking_uri, option="--tracking-uri ")
     model, config = load(arg, device=device, tracking_uri=tracking_uri)

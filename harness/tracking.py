@@ -53,10 +53,10 @@ def check_tracking_uri(uri: str) -> None:
                                   "http(s)://host:port, sqlite:///path.db, postgresql://…, mysql://…, file:/path")
     db = sqlite_path(uri)
     if db is not None:
-        if db.is_dir() or _not_sqlite(db):
-            raise TrackingUnreachable(f"tracking.uri={uri}: {db} is not a SQLite database "
-                                      f"({'a folder' if db.is_dir() else 'another kind of file'}); "
-                                      "allowed: a sqlite:/// path to an MLflow database or to a file that does not exist yet")
+        damage = sqlite_damage(db)
+        if damage is not None:
+            raise TrackingUnreachable(f"tracking.uri={uri}: {damage}; allowed: a sqlite:/// path to an MLflow "
+                                      "database or to a file that does not exist yet")
         try:
             db.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -89,14 +89,48 @@ def _unwritable(db: Path) -> OSError | None:
     return None
 
 
-def _not_sqlite(db: Path) -> bool:
-    """A non-empty file that does not start with SQLite's header (an empty file SQLite takes as new)."""
+SQLITE_FULL_CHECK_BYTES = 1 << 30  # above this a full scan at every start costs seconds: the schema alone is read
+
+
+def sqlite_damage(db: Path) -> str | None:
+    """What makes `db` unusable as a SQLite store, in a few words naming it, or None (absent, empty:
+    SQLite starts a new one; unreadable: the client's own error says more). A folder, another kind
+    of file, a copy cut short or a damaged page: MLflow's own error is a SQLAlchemy traceback
+    ("database disk image is malformed"), after a run folder was made."""
+    import sqlite3
+
+    if db.is_dir():
+        return f"{db} is not a SQLite database (a folder)"
     try:
         with open(db, "rb") as handle:
-            head = handle.read(16)
+            head = handle.read(100)
+        size = db.stat().st_size
     except OSError:
-        return False  # absent, or unreadable: the client's own error says more
-    return bool(head) and head != b"SQLite format 3\x00"
+        return None
+    if not head:
+        return None
+    if head[:16] != b"SQLite format 3\x00":
+        return f"{db} is not a SQLite database (another kind of file)"
+    page = int.from_bytes(head[16:18], "big") or 65536  # (1 stands for 65536)
+    pages = int.from_bytes(head[28:32], "big")
+    counted = head[24:28] == head[92:96]  # SQLite's rule for when the header's page count holds
+    if len(head) < 100 or (counted and size < page * pages):
+        return f"{db} is cut short ({size} bytes; its header says {page * pages}): a partial copy or a full disk"
+    check = "quick_check(1)" if size <= SQLITE_FULL_CHECK_BYTES else "schema_version"
+    try:
+        connection = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            verdict = connection.execute(f"PRAGMA {check}").fetchone()
+            connection.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        finally:
+            connection.close()
+    except sqlite3.DatabaseError as error:
+        if "locked" in str(error) or "unable to open" in str(error):
+            return None  # in use, or not readable: not damage; the client waits or says why
+        return f"{db} is a damaged SQLite database ({error})"
+    if check.startswith("quick_check") and verdict and verdict[0] != "ok":
+        return f"{db} is a damaged SQLite database ({' '.join(str(verdict[0]).split())[:200]})"
+    return None
 
 
 def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT, option: str = "tracking.uri=") -> None:

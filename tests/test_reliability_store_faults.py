@@ -1,0 +1,82 @@
+"""A tracking store that is damaged, or that disappears under a run.
+
+A SQLite store cut short or with damaged pages is one line naming it and what is wrong, exit 2,
+nothing left behind, from run.py, `analysis export` and the evaluation commands (it was a
+SQLAlchemy traceback, and from run.py a Hydra one with the run's output folder left)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness_testing import ROOT, TINY
+
+FAST = ["tracking.log_code=false", "tracking.log_env=false"]
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    """The bytes of a fresh MLflow SQLite store (its schema made by MLflow itself)."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path.read_bytes()
+
+
+def damaged(kind: str, good: bytes) -> bytes:
+    if kind == "cut short":
+        return good[: len(good) // 3]
+    # the header kept, the schema page overwritten (a disk's bad sector, a copy of the wrong blocks)
+    return good[:100] + bytes((i * 7 + 3) % 251 for i in range(4096 - 100)) + good[4096:]
+
+
+KINDS = {"cut short": "is cut short", "damaged pages": "is a damaged SQLite database"}
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_sqlite_store_is_one_line_from_run_py_and_nothing_is_left(kind, mlflow_store, tmp_path):
+    store = tmp_path / "mlflow.db"
+    store.write_bytes(damaged(kind, mlflow_store))
+    before = store.read_bytes()
+    result = subprocess.run([sys.executable, "run.py", *TINY, *FAST, f"tracking.uri=sqlite:///{store}",
+                             f"train.checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'out'}"],
+                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: tracking.uri=sqlite:///{store}: ") and KINDS[kind] in lines[0], lines
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
+    assert store.read_bytes() == before  # the store is evidence: never "repaired" or replaced
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_sqlite_store_is_one_line_from_analysis_and_evaluation(kind, mlflow_store, tmp_path, capsys):
+    from analysis.__main__ import main as analysis
+    from evaluation.cli import main as evaluate
+    from evaluation.explorer import main as explore
+
+    store = tmp_path / "mlflow.db"
+    store.write_bytes(damaged(kind, mlflow_store))
+    uri = f"sqlite:///{store}"
+    run_id = "0123456789abcdef0123456789abcdef"
+    for command, args in [(analysis, ["export", "--tracking-uri", uri, "--out", str(tmp_path / "runs.csv")]),
+                          (evaluate, [run_id, "--tracking-uri", uri]),
+                          (explore, [run_id, "--tracking-uri", uri, "--out", str(tmp_path / "d.html")])]:
+        assert command(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(store) in err and KINDS[kind] in err, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
+def test_a_sound_store_and_an_empty_file_are_not_damage(mlflow_store, tmp_path):
+    from harness.tracking import sqlite_damage
+
+    (tmp_path / "good.db").write_bytes(mlflow_store)
+    (tmp_path / "empty.db").write_bytes(b"")
+    assert sqlite_damage(tmp_path / "good.db") is None and sqlite_damage(tmp_path / "empty.db") is None
+    assert sqlite_damage(tmp_path / "absent.db") is None
+    assert "a folder" in sqlite_damage(tmp_path) and "another kind of file" in sqlite_damage(ROOT / "README.md")
