@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from harness.checkpoint import creatable
-from harness.config import ConfigError, rank, validate
+from harness.config import ConfigError, check_folder_name, rank, validate
 from harness.job import PARENT_ENV
 from harness.config import PROJECT_ROOT
 
@@ -179,6 +179,15 @@ class MLflowMultirunCallback(Callback):
         self.client = None
         self.parent_id: str | None = None
         self._atexit = None
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # before Hydra makes hydra.run.dir (outputs/<sweep.name>/...): a name that leaves it is refused there
+        try:
+            check_folder_name("sweep.name", OmegaConf.select(config, "sweep.name", default="default",
+                                                             throw_on_resolution_failure=False))
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Hydra turns an exception raised here into a UserWarning and launches every job anyway,

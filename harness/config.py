@@ -340,6 +340,15 @@ def _fail(msg: str) -> None:
     raise ConfigError(msg)
 
 
+def check_folder_name(key: str, value: Any) -> None:
+    """A name that becomes one folder level (Hydra's outputs/<sweep.name>/…): `../../x` or `a/b`
+    would put the folder elsewhere, outside the project."""
+    text = str(value)
+    if text in ("", ".", "..") or "/" in text or "\\" in text or not text.isprintable():
+        _fail(f"{key}={text!r} is not one folder name; allowed: a name without / or \\, other than . "
+              "and .., on one line (e.g. my-sweep_2)")
+
+
 def _one_line(error: Exception) -> str:
     """OmegaConf errors span lines (key, type, full_key); keep them on one. A resolver's own error
     (harness/config.py raises one line naming the key and what is allowed) without OmegaConf's
@@ -571,6 +580,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     t, o, s, m = run.train, run.optim, run.schedule, run.model
 
     check_numbers(run)
+    check_folder_name("sweep.name", run.sweep.name)
     name = run.tracking.run_name
     if name is not None and any(not ch.isprintable() for ch in str(name)):  # a newline splits the UI's list and logs
         _fail(f"tracking.run_name={str(name)!r} holds a newline or another control character; allowed: one line of text")

@@ -288,7 +288,8 @@ def experiment_id(client, name: str, uri: str) -> str:
         location = None
         db = sqlite_path(uri)
         if db is not None:
-            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+            # one folder under mlruns/: "..", or a name of dots, would put the artifacts beside the store
+            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip(".") or "_"
             location = (db.resolve().parent / "mlruns" / safe).as_uri()
         try:
             exp_id = client.create_experiment(name, artifact_location=location)

@@ -170,3 +170,34 @@ def test_a_tracking_file_that_is_not_a_database_is_one_line_before_anything_runs
     assert len(lines) == 1 and "is not a SQLite database (another kind of file)" in lines[0], lines
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "out").exists()
     assert store.read_text() == "not a database\n"
+
+
+@pytest.mark.parametrize("flags", [[], ["-m", "residual=baseline,block"]])
+def test_a_sweep_name_that_is_a_path_is_refused_before_hydra_makes_its_folder(flags, tmp_path):
+    """Hydra's output folder is outputs/<sweep.name>/… under the working folder: `sweep.name=../../x`
+    made it outside (the checkpoint folders were sanitised, this one was not). Started from
+    <tmp>/a/b, the folder would be <tmp>/a/escaped/…; nothing may appear anywhere under <tmp>."""
+    start = tmp_path / "a" / "b"
+    start.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    result = subprocess.run([sys.executable, str(ROOT / "run.py"), *flags, *TINY, "sweep.name=../../escaped",
+                             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"train.checkpoint_dir={tmp_path / 'ckpt'}"],
+                            cwd=start, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "sweep.name='../../escaped' is not one folder name" in lines[0], lines
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b"]
+
+
+@pytest.mark.parametrize("name", ["..", "...", "/"])
+def test_an_experiment_name_keeps_its_artifacts_in_a_folder_of_its_own(name, tmp_path):
+    """An experiment's artifacts go to <store folder>/mlruns/<its name made a folder name>; `..`
+    put them in the store's own folder."""
+    from mlflow import MlflowClient
+
+    from harness.tracking import experiment_id
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    location = client.get_experiment(experiment_id(client, name, uri)).artifact_location
+    assert location.startswith((tmp_path / "mlruns").as_uri() + "/") and location.rsplit("/", 1)[1] not in ("", ".", "..")
