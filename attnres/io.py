@@ -159,6 +159,13 @@ def _read_safetensors(weights: Path) -> tuple[dict, dict]:
             config = json.loads(beside.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{beside}: not valid JSON ({_one_line(e)})") from None
+        # The weights carry the config they were saved with: Block and Full have the same tensors,
+        # so a config.json copied from another model would load them as the wrong variant.
+        own = json.loads(metadata[_METADATA_KEY]) if _METADATA_KEY in metadata else None
+        differ = _model_differences(config, own) if isinstance(own, dict) else []
+        if differ:
+            raise CheckpointError(f"{beside} does not describe {weights.name}: {_few(differ)} (config.json vs the "
+                                  "weights' own config); allowed: the config.json saved with these weights, or none")
     elif _METADATA_KEY in metadata:
         config = json.loads(metadata[_METADATA_KEY])
     else:
@@ -279,6 +286,20 @@ def _known_fields(cls, node: Any, where: str, name: str) -> dict:
     if unknown:
         warnings.warn(f"{where}: ignoring keys of '{name}' that are not {cls.__name__} fields: {unknown}", stacklevel=3)
     return {k: v for k, v in node.items() if k in names}
+
+
+def _model_differences(config: Any, own: dict) -> list[str]:
+    """`section.key=a≠b` for each field of the model and residual sections the two configs set apart
+    (a key one leaves out counts as its default)."""
+    out = []
+    for section, cls in (("model", ModelConfig), ("residual", ResidualConfig)):
+        a, b = (c.get(section) if isinstance(c, dict) and isinstance(c.get(section), dict) else {} for c in (config, own))
+        for f in dataclasses.fields(cls):
+            default = None if f.default is dataclasses.MISSING else f.default
+            x, y = a.get(f.name, default), b.get(f.name, default)
+            if x != y:
+                out.append(f"{section}.{f.name}={x}≠{y}")
+    return out
 
 
 def _few(keys: list, n: int = 4) -> str:

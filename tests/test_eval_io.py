@@ -139,6 +139,15 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path):
     config = json.loads((tmp_path / "ck" / "config.json").read_text())
     config["model"]["d_model"] = 64
     (tmp_path / "ck" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="model.d_model=64≠32") as e:  # the weights' own config says 32
+        attnres.load(tmp_path / "ck")
+    cases.append(e)
+    (tmp_path / "ck" / "config.json").unlink()
+    lone = tmp_path / "ck" / "model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(str(lone)), str(lone))  # without the config in its header
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="shape|missing") as e:
         attnres.load(tmp_path / "ck")
     cases.append(e)
@@ -154,6 +163,24 @@ def test_bad_checkpoints_fail_with_one_line(tmp_path):
     assert all("\n" not in str(c.value) for c in cases)
     with pytest.raises(TypeError, match="DecoderLM"):
         attnres.save_pretrained(torch.nn.Linear(2, 2), tmp_path / "x")
+
+
+def test_weights_beside_another_models_config_are_refused(tmp_path, capsys):
+    """Block and Full have the same tensors: Full weights with a Block config.json loaded strictly
+    and were evaluated as Block (exit 0). The weights' own config (in their header) must agree."""
+    from evaluation.cli import main
+
+    attnres.save_pretrained(tiny("full"), tmp_path / "full")
+    attnres.save_pretrained(tiny("block"), tmp_path / "block")
+    assert tiny("full").state_dict().keys() == tiny("block").state_dict().keys()
+    (tmp_path / "full" / "config.json").write_bytes((tmp_path / "block" / "config.json").read_bytes())
+    with pytest.raises(CheckpointError, match="residual.name=block≠full"):
+        attnres.load(tmp_path / "full")
+    assert main([str(tmp_path / "full"), "--skip-heldout", "--probe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json" in err and "residual.name=block≠full" in err, err
+    (tmp_path / "full" / "config.json").unlink()  # without it, the header's config is the one read
+    assert attnres.load(tmp_path / "full", device="cpu")[1]["residual"]["name"] == "full"
 
 
 def test_core_import_stays_torch_only():
