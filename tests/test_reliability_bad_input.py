@@ -6,6 +6,7 @@ tracking URI, and what Hydra itself refuses while composing (harness/composition
 misspelt key, a wrong type, an unknown group option, a missing or a superfluous `+`, in a single
 run, a basic multirun and an Optuna sweep. `{tmp}` in a case stands for the test's folder."""
 import os
+import re
 import subprocess
 import sys
 
@@ -201,3 +202,69 @@ def test_an_experiment_name_keeps_its_artifacts_in_a_folder_of_its_own(name, tmp
     client = MlflowClient(uri)
     location = client.get_experiment(experiment_id(client, name, uri)).artifact_location
     assert location.startswith((tmp_path / "mlruns").as_uri() + "/") and location.rsplit("/", 1)[1] not in ("", ".", "..")
+
+
+def _sparse(path, size: int, tail: bytes = b"\n"):
+    """A file of `size` bytes that takes no disk: zeros (valid UTF-8) and `tail` at its end."""
+    with open(path, "wb") as handle:
+        handle.truncate(size - len(tail))
+        handle.seek(size - len(tail))
+        handle.write(tail)
+    return path
+
+
+def _limited_memory():
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a regression fails here, not in the OOM killer
+
+
+def test_a_text_file_larger_than_memory_is_refused_before_it_is_read(tmp_path):
+    """A text corpus with data.max_bytes unset was read whole, at three to five times its size (read,
+    decoded, split, copied): the OOM killer, no line. Four times this machine's memory, sparse."""
+    from harness.memory_budget import available_bytes
+
+    big = _sparse(tmp_path / "big.txt", 4 * available_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    result = subprocess.run([sys.executable, "run.py", *TINY, "data=text", f"data.path={big}", "data.max_bytes=null",
+                             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+                             f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT, env=dict(env, ATTNRES_CACHE="off"),
+                            capture_output=True, text=True, timeout=120, preexec_fn=_limited_memory)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: data.path={big}: ") and "data.max_bytes=None" in lines[0], lines
+    assert "allowed: the text split into smaller files" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
+
+
+def test_the_refusal_names_a_max_bytes_that_fits_and_the_characters_width_counts(tmp_path, monkeypatch):
+    """With the machine's memory faked to 150 MB: a 64 MiB file is refused naming a data.max_bytes,
+    which then loads; the same file with one character beyond U+FFFF decodes to 4 bytes a byte,
+    and no cap helps then (the file is read and decoded whole)."""
+    from harness import memory_budget
+    from harness.data import DataConfig, DataError, load_data
+
+    monkeypatch.setenv("ATTNRES_CACHE", "off")
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda: 150_000_000)
+    text = _sparse(tmp_path / "zeros.txt", 64 << 20)
+    with pytest.raises(DataError, match=r"allowed: data\.max_bytes=(\d+)") as refused:
+        load_data(DataConfig(name="text", path=str(text), max_bytes=None), 32)
+    fits = int(re.search(r"data\.max_bytes=(\d+) \(or less\)", str(refused.value)).group(1))
+    data = load_data(DataConfig(name="text", path=str(text), max_bytes=fits), 32)
+    assert 0 < data.train.numel() + data.val.numel() <= fits
+    wide = _sparse(tmp_path / "wide.txt", 64 << 20, "😀\n".encode())
+    with pytest.raises(DataError, match="allowed: the text split into smaller files"):
+        load_data(DataConfig(name="text", path=str(wide), max_bytes=fits), 32)
+
+
+def test_token_files_joined_beyond_memory_are_refused(tmp_path, monkeypatch):
+    from harness import memory_budget
+    from harness.data import DataConfig, DataError, load_data
+    from harness.data.shards import write_shard
+
+    for split in ("train", "val"):
+        for i in range(2):
+            write_shard(tmp_path / f"x_{split}_{i:06d}.bin", list(range(200)) * 10)
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda: 2000)
+    with pytest.raises(DataError, match=r"data\.max_bytes: joining the token files .* allowed: data\.max_bytes="):
+        load_data(DataConfig(name="shards", path=str(tmp_path), vocab_size=256), 32)

@@ -11,6 +11,7 @@ import torch
 
 from .config import FORMATS, LOSS_ON, SOURCES, DataConfig, DataError, TokenData
 from .corpus import list_stdlib_files, list_text_files, load_corpus, stdlib_root
+from .memory import available_bytes, check_corpus_fits
 from .multihop import MultiHopProbe
 from .shards import load_nanogpt, load_shard_folder
 
@@ -90,12 +91,12 @@ def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
         train, val = probe.tokens("train"), probe.tokens("val")
         return TokenData(train, val, cfg.vocab_size, probe.fingerprint(train, val))
 
-    if cfg.name == "stdlib":
-        root = _path(cfg) if cfg.path else stdlib_root()
-        entry = load_corpus("stdlib", root, list_stdlib_files(root), cfg.val_fraction, cfg.max_bytes, False)
-    elif cfg.name == "text":
-        root = _path(cfg)
-        entry = load_corpus("text", root, list_text_files(root), cfg.val_fraction, cfg.max_bytes, True)
+    if cfg.name in ("stdlib", "text"):
+        root = _path(cfg) if cfg.path or cfg.name == "text" else stdlib_root()
+        files = list_text_files(root) if cfg.name == "text" else list_stdlib_files(root)
+        # before a byte is read: a corpus larger than memory went to the OOM killer, without a line
+        check_corpus_fits(files, cfg.max_bytes, cfg.name == "text", available_bytes())
+        entry = load_corpus(cfg.name, root, files, cfg.val_fraction, cfg.max_bytes, cfg.name == "text")
     elif cfg.name == "shards":
         root = _path(cfg)
         entry = load_shard_folder(root, cfg.val_fraction, cfg.max_bytes)

@@ -18,6 +18,7 @@ import torch
 
 from . import cache
 from .config import DataError
+from .memory import available_bytes, check_tokens_fit
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -200,6 +201,7 @@ def load_split(
         return torch.empty(0, dtype=torch.uint16), spans
     if len(parts) == 1:  # one file stays memory-mapped; several are concatenated (one tensor a split)
         return parts[0], spans
+    check_tokens_fit(used, available_bytes())
     return torch.from_numpy(np.concatenate([p.numpy() for p in parts])), spans
 
 
