@@ -120,7 +120,8 @@ def register_resolvers() -> None:
 # at that value keeps the key it had before the option existed (a study resumed after an update
 # finds its finished runs instead of training them again).
 NEUTRAL = {"data.loss_on": "all", "data.format": "assign", "data.aligned": False, "model.embed_std": None,
-           "model.prenorm_eps": None, "model.residual_norm_eps": None, "model.final_norm_eps": None}
+           "model.prenorm_eps": None, "model.residual_norm_eps": None, "model.final_norm_eps": None,
+           "model.init_from": None}
 NOT_IDENTITY = (
     "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
     "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",
@@ -288,8 +289,17 @@ class SweepConfig:
 
 
 @dataclass
+class RunModelConfig(ModelConfig):
+    """The model node of a run: attnres' ModelConfig, and where its first weights come from."""
+
+    # A Hugging Face checkpoint folder (Llama/Qwen) whose shape and weights start the run (harness/hf_import.py);
+    # validate() hands DecoderLM the plain ModelConfig when it is unset.
+    init_from: str | None = None
+
+
+@dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: RunModelConfig = field(default_factory=RunModelConfig)
     residual: ResidualConfig = field(default_factory=ResidualConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -560,6 +570,23 @@ def _range_text(low: float, high: float, low_open: bool, high_open: bool) -> str
     return f"{'(' if low_open else '['}{shown(low)}, {shown(high)}{')' if high_open else ']'}"
 
 
+def _start_weights(model: RunModelConfig, data_vocab: int) -> ModelConfig:
+    """Without model.init_from, the core's own ModelConfig (what the run saves describes the model
+    alone); with it, the checkpoint's shape and its absolute path (one line when it cannot be imported)."""
+    if model.init_from is None:
+        return ModelConfig(**{f.name: getattr(model, f.name) for f in fields(ModelConfig)})
+    from harness import hf_import
+
+    if not str(model.init_from).strip():
+        _fail("model.init_from is empty; allowed: a Hugging Face checkpoint folder, or null")
+    try:
+        return hf_import.run_model_config(model, data_vocab)
+    except hf_import.ImportRefused as error:
+        _fail(_one_line(error))
+    except (OSError, KeyError, TypeError, ValueError) as error:  # a key missing or of the wrong type
+        _fail(f"model.init_from={model.init_from}: its config.json is not a Llama/Qwen config ({_one_line(error)})")
+
+
 def _check_unread_knobs(residual: ResidualConfig) -> None:
     for key, value in numeric_fields(residual, "residual.").items():
         if isinstance(value, float) and not math.isfinite(value):
@@ -577,6 +604,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     _check_unread_knobs(run.residual)
     ignored = run.residual.unread_settings()
     run.residual = run.residual.without_unread()
+    run.model = _start_weights(run.model, run.data.vocab_size)
     t, o, s, m = run.train, run.optim, run.schedule, run.model
 
     check_numbers(run)
@@ -603,6 +631,8 @@ def validate(cfg: DictConfig) -> RunSpec:
 
     device = resolve_device(t.device)
     parallel, world = _parallel_mode(t, o, device)
+    if parallel is ParallelMode.fsdp and getattr(m, "init_from", None):  # FSDP shards the model before the copy
+        _fail(f"model.init_from={m.init_from} with FSDP: not supported; allowed: one process or DDP")
     if parallel is not None and device.type == "cuda":
         device = _rank_device(t.device)
     rank_micro, accum = _rank_batch(t.batch_size, micro, world)
