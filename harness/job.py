@@ -296,6 +296,10 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
         if state is not None:
             trainer.load_state_dict(state)
             log.info("resumed %s at step %d of %d", folder.path, trainer.step, spec.steps)
+        elif getattr(spec.cfg.model, "init_from", None):  # a fresh start from a Hugging Face checkpoint's weights
+            from harness import hf_import
+
+            hf_import.load_into(trainer.model, spec.cfg.model.init_from)
         final = trainer.fit()
         tracker.log_metrics(final, trainer.step)
         if c.tracking.log_plots and tracker.enabled and trainer.history:
