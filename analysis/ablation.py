@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from . import markup
 from .paper import KNOWN_VARIANTS
 from .significance import RankResolution, compare, holm, rank_resolution, t_interval
 
@@ -149,44 +150,23 @@ def formatted(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _md_cell(v) -> str:
-    # A pipe or a line break inside a cell (failure messages have both) would break the table.
-    return " ".join(str(v).split()).replace("|", "\\|")
-
-
 def to_markdown(df: pd.DataFrame) -> str:
-    cols = [_md_cell(c) for c in df.columns]
+    cols = [markup.md_cell(c) for c in df.columns]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for row in df.itertuples(index=False):
-        lines.append("| " + " | ".join(_md_cell(v) for v in row) + " |")
+        lines.append("| " + " | ".join(markup.md_cell(v) for v in row) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _tex(s: str) -> str:
-    s = str(s)
-    for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"),
-                 ("#", r"\#")):
-        s = s.replace(a, b)
-    for a, b in _TEX_SYMBOLS.items():
-        s = s.replace(a, b)
-    return s
-
-
-# pdflatex (no unicode-math) refuses these characters in text: each as LaTeX's own.
-_TEX_SYMBOLS = {"±": r"$\pm$", "Δ": r"$\Delta$", "τ": r"$\tau$", "α": r"$\alpha$", "σ": r"$\sigma$",
-                "√": r"$\surd$", "·": r"$\cdot$", "≤": r"$\le$", "≥": r"$\ge$", "≈": r"$\approx$",
-                "−": "-", "–": "--", "—": "---"}
 
 
 def to_latex(df: pd.DataFrame, caption: str = "", label: str = "") -> str:
     cols = list(df.columns)
     lines = [r"\begin{table}[t]", r"\centering", r"\begin{tabular}{l" + "r" * (len(cols) - 1) + "}",
-             r"\toprule", " & ".join(_tex(c) for c in cols) + r" \\", r"\midrule"]
+             r"\toprule", " & ".join(markup.latex(c) for c in cols) + r" \\", r"\midrule"]
     for row in df.itertuples(index=False):
-        lines.append(" & ".join(_tex(v) for v in row) + r" \\")
+        lines.append(" & ".join(markup.latex(v) for v in row) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     if caption:
-        lines.append(r"\caption{" + _tex(caption) + "}")
+        lines.append(r"\caption{" + markup.latex(caption) + "}")
     if label:
         lines.append(r"\label{" + label + "}")
     lines.append(r"\end{table}")

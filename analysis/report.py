@@ -18,12 +18,13 @@ from pathlib import Path
 import pandas as pd
 
 from . import ablation as abl
+from . import markup
 from .significance import holm
 from . import sections as sec
 from .paper import load_paper
 from .runs import RunSet, latest_per_config
 
-ROLES = ("ablation", "block_size", "scaling", "arch", "multihop", "tuned_lr")
+ROLES = ("ablation", "block_size", "scaling", "arch", "multihop", "tuned_lr", "robustness")
 
 
 @dataclass
@@ -62,7 +63,8 @@ def assign_roles(runs: pd.DataFrame, overrides: dict[str, str] | None = None) ->
 # rate, budget, batch, context or corpus are a different experiment, not more seeds. Columns a
 # run set lacks (an older snapshot) are left out.
 CONFIG_COLUMNS = ("model", "d_model", "layers", "n_heads", "d_ff", "tokens", "lr", "batch_size",
-                  "seq_len", "data", "data_fingerprint")
+                  "seq_len", "data", "data_fingerprint", "norm_eps", "prenorm_eps",
+                  "residual_norm_eps", "final_norm_eps", "init_std", "embed_std")
 
 
 def _text(x) -> str:
@@ -92,7 +94,7 @@ def _restricted(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     chosen = _one_configuration(runs)
     cols = [c for c in CONFIG_COLUMNS if c in runs and runs[c].map(_text).nunique() > 1]
     first = chosen.iloc[0]
-    named = ", ".join(f"{c} = {_text(first[c])}" for c in cols)
+    named = ", ".join(f"{c} = {markup.md(_text(first[c]))}" for c in cols)
     return chosen, (f"restricted to the configuration with the most runs ({named}; "
                     f"{key.nunique()} configurations present, {len(runs) - len(chosen)} runs left out)")
 
@@ -116,7 +118,7 @@ def _one_setting_per_variant(runs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
             first = runs.loc[k[k == top].index[0]]
             varied = [c for c in cols if runs.loc[k.index, c].map(_text).nunique() > 1]
             n = int((k != top).sum())
-            notes.append(f"{variant} at {', '.join(f'{c} = {_text(first[c])}' for c in varied)} "
+            notes.append(f"{markup.md(variant)} at {', '.join(f'{c} = {markup.md(_text(first[c]))}' for c in varied)} "
                          f"({n} run{'s' if n > 1 else ''} at other settings left out)")
     return runs[keep], "; ".join(notes)
 
@@ -138,7 +140,7 @@ def _tuned_lr_runs(fin: pd.DataFrame, abl_runs: pd.DataFrame) -> tuple[pd.DataFr
         cols = [c for c in RECIPE_COLUMNS if c in tuned and tuned[c].map(_text).nunique() > 1]
         first = tuned[key == top].iloc[0]
         notes.append(f"the grid's runs are restricted to the recipe with the most runs "
-                     f"({', '.join(f'{c} = {_text(first[c])}' for c in cols)}; {int((key != top).sum())} "
+                     f"({', '.join(f'{c} = {markup.md(_text(first[c]))}' for c in cols)}; {int((key != top).sum())} "
                      "runs of other recipes left out)")
     extra = abl_runs[_config_key(abl_runs, RECIPE_COLUMNS) == top] if len(abl_runs) else abl_runs
     if len(abl_runs) and extra.empty:
@@ -178,13 +180,13 @@ def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
                  f"{settings[0].upper()}{settings[1:]}." if settings else ""]
         return chosen, " ".join(n for n in notes if n)
     note = ("No `ablation` sweep: this table compares the finished runs of other sweeps "
-            f"({', '.join(sorted(chosen['sweep'].unique()))})")
+            f"({', '.join(markup.md(s) for s in sorted(chosen['sweep'].unique()))})")
     return chosen, "; ".join(n for n in (note + (", " + restriction if restriction else ""), settings) if n) + "."
 
 
 def _inputs(runset: RunSet, roles: pd.Series, opts: Options, repeated: pd.DataFrame) -> str:
     runs = runset.runs
-    lines = [f"Source: {runset.source}. {len(runs)} training runs in "
+    lines = [f"Source: {markup.md(runset.source)}. {len(runs)} training runs in "
              f"{runs['experiment'].nunique()} experiment(s); bootstrap: {opts.n_boot} resamples, "
              f"seed {opts.seed}; intervals at {int(opts.level * 100)}%.\n"]
     counts = (runs.assign(section=roles).groupby(["sweep", "section", "status"]).size()
@@ -226,10 +228,12 @@ def _summary(sections) -> str:
     p = pd.Series([c.p if c.verdict != "not tested" else float("nan") for _, c in rows], dtype=float)
     adj = holm(p.to_numpy())
     df.insert(3, "p (Holm)", [f"{x:.2g} ({a:.2g})" if pd.notna(x) else "–" for x, a in zip(p, adj)])
+    df["Verdict"] = [sec.held_after_holm(c.verdict, a) for (_, c), a in zip(rows, adj)]
     n = df["Verdict"].value_counts()
     head = (f"Of {len(df)} checks, {n.get('agrees', 0)} agree with the paper, "
             f"{n.get('does not agree', 0)} do not, {n.get('inconclusive', 0)} are inconclusive at "
-            f"our run count and {n.get('not tested', 0)} could not be tested with these runs. "
+            f"our run count and {n.get('not tested', 0)} could not be tested with these runs; "
+            "a verdict with a p-value stands only where its Holm-adjusted p is below 5%. "
             "*Inconclusive* means our 95% interval admits both directions: more seeds or a larger "
             "scale could settle it (the ablation section says how many seeds a difference of the "
             "paper's size needs at our noise level); *does not agree* means our runs show the "
@@ -288,7 +292,7 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
     jobs = [
         ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note,
                                                                   opts.n_boot, opts.seed,
-                                                                  runset.adaptive)),
+                                                                  runset.adaptive, runset.pilot)),
         ("Noise study (the ablation's recipe)", lambda: sec.noise_section(
             abl_runs, out, opts.target_delta, histories=runset.histories)),
         ("Ablation at each variant's tuned learning rate", lambda: sec.tuned_lr_section(
@@ -311,6 +315,10 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
             dyn_runs, runset.instrumentation, out)),
         ("Training curves", lambda: sec.curves_section(runset, out)),
     ]
+    robust = fin[fin["section"] == "robustness"]
+    if len(robust):  # only where such runs exist: a study without them reads as it did
+        jobs.insert(4, (sec.robustness.TITLE, lambda: sec.robustness_section(
+            pd.concat([abl_runs, robust]), out, opts.level)))
     sections, errors = [], []
     for title, job in jobs:
         try:
@@ -319,7 +327,7 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
             msg = f"{title}: {type(exc).__name__}: {exc}"
             errors.append(msg)
             traceback.print_exc(file=sys.stderr)
-            sections.append(sec.Section(title, f"**This section failed:** `{msg}`\n"))
+            sections.append(sec.Section(title, f"**This section failed:** {markup.md(msg)}\n"))
 
     if paper.folder is None:
         paper_note = "The paper's numbers were not found (results/paper/); paper columns are empty."
