@@ -129,12 +129,19 @@ def _save_byte_tokenizer(folder: Path, prefix: int) -> None:
 
 def _save_gpt2_tokenizer(folder: Path, tok) -> None:
     """tiktoken's GPT-2 encoding converted to a `tokenizers` tokenizer.json (no download beyond tiktoken's)."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+    import base64
 
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    enc = tok._enc
     with tempfile.TemporaryDirectory(prefix="attnres-gpt2-") as tmp:
-        convert_tiktoken_to_fast(tok._enc, tmp)
-        fast = PreTrainedTokenizerFast(tokenizer_file=str(Path(tmp) / "tokenizer.json"), bos_token="<|endoftext|>",
+        # tiktoken's own file format (transformers' helper for it wants the blobfile package)
+        ranks = Path(tmp) / "gpt2.tiktoken"
+        ranks.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()))
+        backend = TikTokenConverter(vocab_file=str(ranks), pattern=enc._pat_str,
+                                    extra_special_tokens=enc._special_tokens).converted()
+        fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
                                        eos_token="<|endoftext|>", clean_up_tokenization_spaces=False,
                                        model_max_length=_max_len(folder))
     fast.save_pretrained(folder)

@@ -202,3 +202,31 @@ def test_lm_eval_stock_hf_model_scores_as_the_attnres_adapter(tmp_path):
         else:
             flat = lambda r: torch.tensor([x[0] if isinstance(x, (tuple, list)) else x for doc in r for x in doc])  # noqa: E731
             assert torch.allclose(flat(resp_a), flat(resp_b), rtol=0, atol=ATOL), task
+
+
+def stand_in_gpt2():
+    """A small tiktoken encoding with GPT-2's split pattern and a few merges: GPT-2's own BPE file
+    needs the network. Each merged token's parts have lower ranks, as in a trained BPE."""
+    import tiktoken
+
+    ranks = {bytes([b]): b for b in range(256)}
+    for token in (b"th", b"the", b" t", b" the", b"in", b"ing", b" a", b"he", b"llo", b"hello"):
+        ranks[token] = len(ranks)
+    pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    return tiktoken.Encoding("gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)})
+
+
+def test_a_gpt2_run_gets_tiktokens_encoding_as_a_fast_tokenizer(tmp_path, monkeypatch):
+    tiktoken = pytest.importorskip("tiktoken", reason="GPT-2 runs' tokenizer comes from tiktoken (pip install -e '.[hf]')")
+    enc = stand_in_gpt2()
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: enc)
+    model = tiny("block", vocab_size=enc.n_vocab + 3)  # a vocabulary padded past the tokenizer's, as GPT-2 runs do
+    attnres.save_pretrained(model, tmp_path / "ck")
+    out = export(str(tmp_path / "ck"), str(tmp_path / "hf"), tokenizer="gpt2")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    text = "hello there, the thing in the ring 42\n\n  ok"
+    assert tok(text).input_ids == enc.encode_ordinary(text)
+    assert tok.decode(tok(text).input_ids) == text
+    assert tok.eos_token_id == tok.bos_token_id == enc.eot_token
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == enc.eot_token
