@@ -16,7 +16,8 @@ from scipy import stats
 
 from . import markup
 from .paper import KNOWN_VARIANTS
-from .significance import RankResolution, compare, holm, rank_resolution, t_interval
+from .significance import (RankResolution, compare, holm, pooled_diff_sd, rank_resolution,
+                           same_seed_diffs, steady, t_interval)
 
 
 def _order(variants) -> list[str]:
@@ -31,6 +32,42 @@ class AblationResult:
     p_value: float
     n_common: int
     resolution: RankResolution | None = None
+    pooled_diff: tuple[float, int] = (np.nan, 0)  # σ of same-seed differences pooled over variants, dof
+    diverging: pd.DataFrame | None = None  # runs set apart (significance.steady)
+
+
+def pooled_differences(runs: pd.DataFrame, baseline: str = "baseline",
+                       metric: str = "final_val_loss") -> tuple[float, int]:
+    """σ of same-seed differences to the baseline pooled over every variant (each around its own
+    mean), with its degrees of freedom, from the runs that did not diverge."""
+    kept, _ = steady(runs, metric)
+    base = kept[kept["variant"] == baseline]
+    if base.empty or "seed" not in kept:
+        return np.nan, 0
+    return pooled_diff_sd([same_seed_diffs(g, base, metric)
+                           for v, g in kept.groupby("variant") if v != baseline])
+
+
+def _row(v, g, base, baseline, metric, pooled, flagged) -> dict:
+    mean, half, n = t_interval(g[metric])
+    row = {"variant": v, "n": n, "loss": mean, "loss_ci": half, "delta": np.nan,
+           "delta_ci": np.nan, "design": "–", "pairs": 0, "sd_from": "–", "dof": 0, "p": np.nan,
+           "welch_delta": np.nan, "welch_ci": np.nan, "welch_p": np.nan,
+           "diverging": int(flagged.get(v, 0))}
+    if v == baseline:
+        row["delta"] = 0.0
+    elif base is not None:
+        paired = "seed" in g  # snapshots without seeds compare unpaired
+        # A variant with diverging runs keeps its own scatter: the pooled σ would hide it.
+        c = compare(g[metric], base[metric], g["seed"] if paired else None,
+                    base["seed"] if paired else None, pooled=None if row["diverging"] else pooled)
+        row.update(delta=c.diff, delta_ci=c.half, design=c.design,
+                   pairs=c.n if c.design == "paired" else 0, sd_from=c.sd_from, dof=c.dof, p=c.p,
+                   welch_delta=c.welch_diff, welch_ci=c.welch_half, welch_p=c.welch_p)
+    d, h = row["delta"], row["delta_ci"]
+    row["verdict"] = ("n/a" if v == baseline or not np.isfinite(h) else "better" if d + h < 0
+                      else "worse" if d - h > 0 else "tie")
+    return row
 
 
 def ablation_table(runs: pd.DataFrame, paper_loss: dict[str, float] | None = None,
@@ -40,40 +77,31 @@ def ablation_table(runs: pd.DataFrame, paper_loss: dict[str, float] | None = Non
 
     Columns: variant, n, loss, loss_ci (half-width), delta, delta_ci, design (``paired``: mean
     of same-seed differences over ``pairs`` seeds, t interval; ``welch``: no two seeds shared),
-    p (the primary test's two-sided p-value), welch_delta, welch_ci, welch_p (Welch over all
-    runs, beside it), paper_loss, paper_delta, verdict (``better`` / ``worse`` / ``tie`` by the
-    primary interval, ``n/a`` without one) and p_holm (p with Holm's correction over every
-    variant compared with the baseline).
+    sd_from (``own``: the pairs' own σ; ``pooled``: fewer than MIN_OWN_PAIRS pairs, so the σ of
+    same-seed differences pooled over variants, with its ``dof``), p (the primary test's
+    two-sided p-value), welch_delta, welch_ci, welch_p (Welch over all runs, beside it),
+    diverging (runs set apart by significance.diverging; such a variant keeps its own σ and is
+    left out of every pool), paper_loss, paper_delta, verdict (``better`` / ``worse`` / ``tie``
+    by the primary interval, ``n/a`` without one) and p_holm (Holm over every variant compared
+    with the baseline).
     """
     paper_loss = paper_loss or {}
     groups = {v: g for v, g in runs.groupby("variant")}
     base = groups.get(baseline)
     p_base = paper_loss.get(baseline)
+    _, apart = steady(runs, metric)
+    flagged = apart["variant"].value_counts().to_dict() if len(apart) else {}
+    pooled = pooled_differences(runs, baseline, metric)
     rows = []
     for v in _order(groups):
-        g = groups[v]
-        mean, half, n = t_interval(g[metric])
-        row = {"variant": v, "n": n, "loss": mean, "loss_ci": half, "delta": np.nan,
-               "delta_ci": np.nan, "design": "–", "pairs": 0, "p": np.nan,
-               "welch_delta": np.nan, "welch_ci": np.nan, "welch_p": np.nan}
-        if v == baseline:
-            row["delta"] = 0.0
-        elif base is not None:
-            paired = "seed" in runs  # snapshots without seeds compare unpaired
-            c = compare(g[metric], base[metric], g["seed"] if paired else None,
-                        base["seed"] if paired else None)
-            row.update(delta=c.diff, delta_ci=c.half, design=c.design,
-                       pairs=c.n if c.design == "paired" else 0, p=c.p, welch_delta=c.welch_diff,
-                       welch_ci=c.welch_half, welch_p=c.welch_p)
-        d, h = row["delta"], row["delta_ci"]
-        row["verdict"] = ("n/a" if v == baseline or not np.isfinite(h) else "better" if d + h < 0
-                          else "worse" if d - h > 0 else "tie")
+        row = _row(v, groups[v], base, baseline, metric, pooled, flagged)
         pl = paper_loss.get(v, np.nan)
         row["paper_loss"] = pl
         row["paper_delta"] = pl - p_base if p_base is not None else np.nan
         rows.append(row)
-    cols = ["variant", "n", "loss", "loss_ci", "delta", "delta_ci", "design", "pairs", "p",
-            "welch_delta", "welch_ci", "welch_p", "paper_loss", "paper_delta", "verdict"]
+    cols = ["variant", "n", "loss", "loss_ci", "delta", "delta_ci", "design", "pairs", "sd_from",
+            "dof", "p", "welch_delta", "welch_ci", "welch_p", "diverging", "paper_loss",
+            "paper_delta", "verdict"]
     table = pd.DataFrame(rows)[cols]
     table["p_holm"] = holm(table["p"])
     common = table.dropna(subset=["loss", "paper_loss"])
@@ -85,7 +113,7 @@ def ablation_table(runs: pd.DataFrame, paper_loss: dict[str, float] | None = Non
     else:
         tau, p = np.nan, np.nan
     return AblationResult(table=table, tau=tau, p_value=p, n_common=len(common),
-                          resolution=resolution)
+                          resolution=resolution, pooled_diff=pooled, diverging=apart)
 
 
 def block_size_of(runs: pd.DataFrame) -> pd.Series:
@@ -139,8 +167,10 @@ def formatted(table: pd.DataFrame) -> pd.DataFrame:
                              for m, h in zip(table["loss"], table["loss_ci"])],
         "Δ (ours)": [f"{_fmt(d, signed=True)} ± {_fmt(h)}" if np.isfinite(h)
                      else _fmt(d, signed=True) for d, h in zip(table["delta"], table["delta_ci"])],
-        "design": [f"{d} ({k})" if d == "paired" else d
-                   for d, k in zip(table["design"], table["pairs"])],
+        "design": [(f"{d} ({k}" + (", pooled σ" if s == "pooled" else "")
+                    + (", diverging" if x else "") + ")") if d == "paired" else d
+                   for d, k, s, x in zip(table["design"], table["pairs"], table["sd_from"],
+                                         table["diverging"])],
         "Δ Welch": [f"{_fmt(d, signed=True)} ± {_fmt(h)}" if np.isfinite(h) else "–"
                     for d, h in zip(table["welch_delta"], table["welch_ci"])],
         "Val. loss (paper)": [_fmt(x, 3) for x in table["paper_loss"]],
@@ -173,23 +203,37 @@ def to_latex(df: pd.DataFrame, caption: str = "", label: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def tau_reading(r: RankResolution) -> str:
+    """What τ's interval says, in words derived from it: against the paper's order (interval
+    below 0), with it (above 0), or neither; and whether the test could have found the paper's
+    order had it been true (power ≥ 80%)."""
+    if not np.isfinite(r.tau_lo):
+        return "no interval"
+    side = ("our ranking runs against the paper's" if r.tau_hi < 0 else
+            "our ranking follows the paper's" if r.tau_lo > 0 else
+            "the interval admits both directions, so τ says nothing for or against the paper's order")
+    if not r.resolvable and (r.tau_hi < 0 or r.tau_lo > 0):
+        side += (", though the test had too little power to have found the paper's order had it "
+                 "been true")
+    return side
+
+
 def resolution_text(r: RankResolution) -> str:
-    """Could these runs order the variants: τ's power, its bootstrap interval, the F test."""
+    """Could these runs order the variants: τ's power and interval at the pooled seed σ, the F
+    test."""
     if not np.isfinite(r.power):
-        return "Whether the runs could resolve a ranking is untested (fewer than two seeds)."
+        return "Whether the runs could resolve a ranking is untested (no pooled seed σ)."
     head = (f"Were our variants ordered and spaced exactly as the paper's (range "
             f"{r.reference_spread:.3f}), τ's test would find that order with probability "
-            f"{r.power:.0%} at our noise (standard error of a variant's mean {r.median_se:.4f}, "
-            "median; simulated): ")
-    head += ("the data can resolve the paper's ranking" if r.resolvable else
-             "the data cannot resolve the paper's ranking, so τ says nothing for or against it")
-    ci = (f"; bootstrap 95% interval of τ over seeds [{r.tau_lo:.2f}, {r.tau_hi:.2f}]"
-          if np.isfinite(r.tau_lo) else "")
+            f"{r.power:.0%} at our noise (each variant's mean blurred by the pooled seed σ = "
+            f"{r.sigma:.4f}, {r.dof} degrees of freedom, over √n; standard error {r.median_se:.4f}, "
+            "median; simulated). 95% interval of τ, each mean redrawn with that standard error: "
+            f"[{r.tau_lo:.2f}, {r.tau_hi:.2f}]: {tau_reading(r)}")
     f = (f". Our variants do differ among themselves (F = {r.f:.2f}, p = {r.f_p:.2g}, variant + "
          f"seed model; range of means {r.spread:.3f})" if np.isfinite(r.f_p) and r.f_p < 0.05 else
          f". Our variants are not told apart among themselves (F = {r.f:.2f}, p = {r.f_p:.2g}, "
          "variant + seed model)" if np.isfinite(r.f_p) else "")
-    return head + ci + f + "."
+    return head + f + "."
 
 
 def write_tables(result: AblationResult, folder, stem: str = "table4_ablation") -> list:

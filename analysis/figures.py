@@ -207,7 +207,8 @@ def _heat(ax, grid, variant, title):
             c = int(np.nanargmin(vals))
             ax.add_patch(plt.Rectangle((c, r), 1, 1, fill=False, ec="white", lw=1.5))
     opt = architecture.find_optimum(grid, variant)
-    ax.set_title(f"{title}\nopt. d/L_b = {opt.grid_optimum:g} (refined {opt.refined:.1f}) "
+    where = "at the grid's edge" if opt.at_edge else f"refined {opt.refined:.1f}"
+    ax.set_title(f"{title}\nopt. d/L_b = {opt.grid_optimum:g} ({where}) "
                  f"at heads/L_b = {opt.heads_per_layer:g}", fontsize=9)
 
 

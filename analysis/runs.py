@@ -92,6 +92,7 @@ class RunSet:
     instrumentation: dict[str, dict] = field(default_factory=dict)
     source: str = ""
     adaptive: dict | None = None  # adaptive.json beside a snapshot: the seeds' stopping rule and verdicts
+    pilot: frozenset = frozenset()  # run ids of pilot/runs.csv beside a snapshot: the runs that sized the study
 
     @property
     def finished(self) -> pd.DataFrame:
@@ -104,7 +105,7 @@ class RunSet:
         return RunSet(runs=self.runs[self.runs["run_id"].isin(ids)].reset_index(drop=True),
                       histories=self.histories[self.histories["run_id"].isin(ids)].reset_index(drop=True),
                       instrumentation={k: v for k, v in self.instrumentation.items() if k in ids},
-                      source=self.source, adaptive=self.adaptive)
+                      source=self.source, adaptive=self.adaptive, pilot=self.pilot)
 
 
 def latest_per_config(finished: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -385,5 +386,8 @@ def import_snapshot(path) -> RunSet:
     instrumentation = json.loads(inst_path.read_text()) if inst_path.is_file() else {}
     adaptive_path = path.parent / "adaptive.json"  # python -m analysis.adaptive --out <that folder>
     adaptive = json.loads(adaptive_path.read_text()) if adaptive_path.is_file() else None
+    pilot_path = path.parent / "pilot" / "runs.csv"
+    pilot = (frozenset(pd.read_csv(pilot_path, usecols=["run_id"], dtype=str)["run_id"])
+             if pilot_path.is_file() else frozenset())
     return RunSet(runs=runs, histories=histories, instrumentation=instrumentation,
-                  source=f"snapshot {path.name}", adaptive=adaptive)
+                  source=f"snapshot {path.name}", adaptive=adaptive, pilot=pilot)

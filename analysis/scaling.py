@@ -7,7 +7,6 @@ reasons are in docs/ANALYSIS.md under "Methods, briefly". C is in PFLOP/s-days (
 from __future__ import annotations
 
 import warnings
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,13 +16,6 @@ HUBER_DELTA = 1e-3  # the smallest δ, and the first fit's (Besiroglu et al. 202
 HUBER_TUNING = 1.345  # δ = 1.345·σ̂ (Huber 1964): 95% of least squares' efficiency under normal noise
 MIN_COMPUTE_FOR_INTERVAL = 4
 FORMS = ("pure", "offset")
-
-
-def variant_seed(seed: int, name: str) -> np.random.Generator:
-    """A generator that depends on the run seed and the variant name only, so adding a variant to
-    a report does not change the intervals of the others (crc32 is stable across processes,
-    unlike ``hash``)."""
-    return np.random.default_rng([int(seed), zlib.crc32(name.encode())])
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,13 +203,28 @@ def small_sample_factor(n_runs: int, n_params: int, level: float = 0.95) -> floa
     """How far the bootstrap replicates are spread out around the full-data fit (in the centred
     parameters) before intervals are read from them: t_{n−p} / z × sqrt(n / (n − p)), the two
     corrections that turn a normal interval with the plug-in variance into the t interval of least
-    squares. Resampling n runs reproduces the plug-in spread, which is too narrow at a handful of
-    runs."""
+    squares. Resampling n units reproduces the plug-in spread, which is too narrow at a handful of
+    them. The fits resample G compute sizes and call it with (G, 1): the cluster bootstrap's
+    t_{G−1} and G/(G − 1)."""
     from scipy import stats
 
     dof = max(n_runs - n_params, 1)
     q = (1 + level) / 2
     return float(stats.t.ppf(q, dof) / stats.norm.ppf(q) * np.sqrt(n_runs / dof))
+
+
+def size_weights(levels: np.ndarray, n_sizes: int, n_boot: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(W, counts) of a bootstrap over compute sizes: each resample draws ``n_sizes`` sizes with
+    replacement and takes every run at a drawn size as often as it was drawn (W[b, i] for run i at
+    size ``levels[i]``; counts[b, j] for size j). The draws depend on the seed and the number of
+    sizes only, so fits over the same sizes (the variants of one ladder) share them: the i-th
+    resamples of two such fits are one joint draw of ladder rungs (the j-th smallest compute of
+    each), as a multiplier between them needs."""
+    rng = np.random.default_rng([int(seed), int(n_sizes)])
+    draws = rng.integers(0, n_sizes, size=(n_boot, n_sizes))
+    counts = np.zeros((n_boot, n_sizes))
+    np.add.at(counts, (np.repeat(np.arange(n_boot), n_sizes), draws.ravel()), 1.0)
+    return counts[:, levels], counts
 
 
 def scaled_delta(residuals) -> float:
@@ -294,7 +301,7 @@ class Fit:
 def fit_power_law(C, L, form: str = "pure", *, n_boot: int = 1000, seed: int = 0,
                   name: str = "", delta: float | None = None, boot_starts: int | None = None
                   ) -> Fit:
-    """Fit one law to runs (C_i, L_i) and bootstrap it over runs.
+    """Fit one law to runs (C_i, L_i) and bootstrap it over compute sizes (:func:`size_weights`).
 
     delta: Huber's δ; None (default) scales it to the residuals (`scaled_delta`); the bootstrap
     keeps the full-data δ.
@@ -340,14 +347,10 @@ def fit_power_law(C, L, form: str = "pure", *, n_boot: int = 1000, seed: int = 0
 
     boot = np.empty((0, 3))
     if n_boot > 0 and interval_supported(n, n_distinct, _min_distinct(form)):
-        rng = variant_seed(seed, name)
-        idx = rng.integers(0, n, size=(n_boot, n))
-        # Multiplicity matrix: resample b uses run i W[b, i] times (same objective, fixed shape).
-        W = np.zeros((n_boot, n))
-        np.add.at(W, (np.repeat(np.arange(n_boot), n), idx.ravel()), 1.0)
+        # Resample compute sizes, not runs: the runs of one size share its shape and budget, and
+        # their error is shared too, so the sizes are the independent units.
         levels = np.unique(C, return_inverse=True)[1]
-        present = np.zeros((n_boot, n_distinct))
-        np.add.at(present.T, levels, W.T)  # runs drawn per compute level, per resample
+        W, present = size_weights(levels, n_distinct, n_boot, seed)
         # Resamples with too few distinct compute values cannot identify the law: left out, counted.
         valid = (present > 0).sum(axis=1) >= _min_distinct(form)
         Wv = W[valid]
@@ -361,7 +364,7 @@ def fit_power_law(C, L, form: str = "pure", *, n_boot: int = 1000, seed: int = 0
             losses.append(loss_b)
         pick = np.argmin(np.stack(losses), axis=0)
         tb = np.stack(thetas)[pick, np.arange(Bv)]
-        tb = best + small_sample_factor(n, _min_distinct(form)) * (tb - best)
+        tb = best + small_sample_factor(n_distinct, 1) * (tb - best)
         boot = np.column_stack(_to_law(tb, logC0, form, L.min()))
     return Fit(name=name, form=form, law=law, n_runs=n, n_compute=n_distinct,
                compute_range=(float(C.min()), float(C.max())), boot=boot, n_boot=n_boot,
@@ -375,7 +378,7 @@ def fit_shared_exponent(data: dict[str, tuple[np.ndarray, np.ndarray]], *, n_boo
     With a shared α the multiplier of v over b is the constant (A_b/A_v)^(1/α), the paper-style
     single number without a "read at C" caveat. Solved exactly like the separate fits: the shared
     objective is Σ_v Σ_i huber(a_v − α x_i − y_i), δ scaled to the pooled residuals unless given;
-    each bootstrap replicate resamples runs within every variant independently. α is identified
+    each bootstrap replicate resamples compute sizes, one draw for every variant. α is identified
     only by variants with runs at two or more compute values (an error if none has); intervals
     need such a variant with MIN_COMPUTE_FOR_INTERVAL of them and k + 3 runs in all (k + 1
     parameters).
@@ -423,20 +426,18 @@ def fit_shared_exponent(data: dict[str, tuple[np.ndarray, np.ndarray]], *, n_boo
         best = solve(ones, best, delta)[0]
     boot = np.empty((0, k + 1))
     if n_boot > 0 and interval_supported(sum(map(len, xs)), max(spans), k + 1):
-        rng = np.random.default_rng([int(seed), zlib.crc32("|".join(names).encode())])
-        Ws = []
-        for x in xs:
-            n = len(x)
-            W = np.zeros((n_boot, n))
-            np.add.at(W, (np.repeat(np.arange(n_boot), n), rng.integers(0, n, n_boot * n)), 1.0)
-            Ws.append(W)
+        # One draw of ladder rungs for every variant, a rung being the j-th smallest compute of
+        # each (the variants' C differ a little at one shape): clusters are sizes.
+        rungs = max(spans)
+        counts = size_weights(np.arange(rungs), rungs, n_boot, seed)[1]
+        Ws = [counts[:, np.unique(c, return_inverse=True)[1]] for c in Cs]
         # α is identified only if some variant's resample spans two compute values.
         valid = np.zeros(n_boot, bool)
         for x, W in zip(xs, Ws):
             drawn = np.where(W > 0, x[None, :], np.nan)
             valid |= np.nanmax(drawn, axis=1) > np.nanmin(drawn, axis=1)
         boot = solve([W[valid] for W in Ws], best, delta)
-        boot = best + small_sample_factor(sum(map(len, xs)), k + 1) * (boot - best)
+        boot = best + small_sample_factor(rungs, 1) * (boot - best)
     out = {}
     for j, v in enumerate(names):
         alpha = float(best[k])

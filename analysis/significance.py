@@ -102,6 +102,48 @@ def pooled_seed_sd(runs: pd.DataFrame, metric: str = "final_val_loss",
     return (float(np.sqrt(ss / dof)), dof) if dof else (np.nan, 0)
 
 
+# A run is set apart as diverging when its modified z-score (Iglewicz & Hoaglin) exceeds this: the
+# conventional cut for "far from the rest" under a normal core, robust to the outlier itself.
+DIVERGING_Z = 3.5
+
+
+def diverging(values, groups, z: float = DIVERGING_Z) -> np.ndarray:
+    """Which runs diverge: |value − its group's median| / (1.4826·MAD) > ``z``, the MAD taken over
+    the deviations of every run of a group with two or more runs (one scale for all groups: a
+    group of two cannot measure its own). With two runs the two deviations are equal, so both
+    are flagged: which of them is off cannot be told."""
+    v = pd.Series(np.asarray(values, float))
+    g = pd.Series(np.asarray(groups, dtype=object))
+    dev = v - v.groupby(g).transform("median")
+    pooled = dev[g.map(g.value_counts()) >= 2].abs().dropna()
+    scale = 1.4826 * float(pooled.median()) if len(pooled) else np.nan
+    if not np.isfinite(scale) or scale <= 0:
+        return np.zeros(len(v), bool)
+    return (dev.abs() / scale > z).fillna(False).to_numpy(bool)
+
+
+def steady(runs: pd.DataFrame, metric: str = "final_val_loss") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(runs kept, runs set apart as diverging within their variant, :func:`diverging`)."""
+    if runs.empty:
+        return runs, runs
+    flag = diverging(runs[metric], runs["variant"])
+    return runs[~flag], runs[flag]
+
+
+def pooled_diff_sd(diffs) -> tuple[float, int]:
+    """(σ, degrees of freedom) of same-seed differences pooled over comparisons: each Series of
+    ``diffs`` (one comparison's differences) contributes its squared deviations from its own mean
+    and n − 1 degrees of freedom; (NaN, 0) when none has two."""
+    ss, dof = 0.0, 0
+    for d in diffs:
+        d = np.asarray(d, float)
+        d = d[np.isfinite(d)]
+        if len(d) >= 2:
+            ss += float(((d - d.mean()) ** 2).sum())
+            dof += len(d) - 1
+    return (float(np.sqrt(ss / dof)), dof) if dof else (np.nan, 0)
+
+
 def t_test_power(n: int, effect: float, level: float = LEVEL) -> float:
     """Power of a two-sided two-sample Student t test at ``level`` with ``n`` seeds per arm, equal
     seed noise σ and a true difference of ``effect`` = Δ/σ: under the alternative the statistic
@@ -164,6 +206,8 @@ class Comparison:
     welch_half: float
     welch_p: float
     log: bool = False
+    sd_from: str = "own"  # "own": the pairs' own σ; "pooled": σ of same-seed differences pooled over comparisons
+    dof: int = 0  # degrees of freedom of the primary interval
 
     @property
     def lo(self) -> float:
@@ -197,11 +241,29 @@ def paired_t(a: pd.Series, b: pd.Series, level: float = LEVEL) -> tuple[float, f
     return float(d.mean()), float((hi - lo) / 2), float(res.pvalue), n
 
 
+# Below this many pairs a comparison's own σ (n − 1 degrees of freedom) is too unsure to judge by:
+# with two pairs its t interval rests on one degree of freedom and on how alike two numbers are.
+MIN_OWN_PAIRS = 4
+
+
+def pooled_t(d: float, n: int, sd: float, dof: int, level: float = LEVEL) -> tuple[float, float]:
+    """(half-width, two-sided p) of the mean ``d`` of n same-seed differences when their σ is
+    ``sd`` pooled over comparisons with ``dof`` degrees of freedom."""
+    if not (dof and np.isfinite(sd) and n) or sd < 0:
+        return np.nan, np.nan
+    if sd == 0:  # every difference alike: no width, and no test (as paired_t)
+        return 0.0, np.nan
+    se = sd / np.sqrt(n)
+    return float(stats.t.ppf((1 + level) / 2, dof) * se), float(2 * stats.t.sf(abs(d) / se, dof))
+
+
 def compare(a, b, seeds_a=None, seeds_b=None, log: bool = False,
-            level: float = LEVEL) -> Comparison:
+            level: float = LEVEL, pooled: tuple[float, int] | None = None) -> Comparison:
     """a − b (values of runs; seeds_* their `train.seed`, None when they do not pair). Ratios
     (anything multiplicative: growth, max/min) go with ``log=True``: a ratio's scatter is
-    multiplicative and its linear interval can cross 0, a value it cannot take."""
+    multiplicative and its linear interval can cross 0, a value it cannot take. ``pooled``:
+    (σ, dof) of same-seed differences pooled over comparisons, used instead of the pairs' own σ
+    when they are fewer than MIN_OWN_PAIRS."""
     a, b = np.asarray(a, float), np.asarray(b, float)
     if log:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -210,10 +272,32 @@ def compare(a, b, seeds_a=None, seeds_b=None, log: bool = False,
     wp = welch_p(a, b)
     if seeds_a is not None and seeds_b is not None:
         d, h, p, n = paired_t(by_seed(a, seeds_a), by_seed(b, seeds_b), level)
+        if n >= 2 and n < MIN_OWN_PAIRS and pooled is not None and pooled[1]:
+            h, p = pooled_t(d, n, pooled[0], pooled[1], level)
+            return Comparison(d, h, p, n, "paired", wd, wh, wp, log, "pooled", int(pooled[1]))
         if n >= 2:
-            return Comparison(d, h, p, n, "paired", wd, wh, wp, log)
+            return Comparison(d, h, p, n, "paired", wd, wh, wp, log, "own", n - 1)
     n = int(min(np.isfinite(a).sum(), np.isfinite(b).sum()))
     return Comparison(wd, wh, wp, n, "welch", wd, wh, wp, log)
+
+
+def same_seed_diffs(a: pd.DataFrame, b: pd.DataFrame, metric: str = "final_val_loss") -> pd.Series:
+    """a − b at the seeds both runs sets have (one value per seed)."""
+    d = by_seed(a[metric], a["seed"]) - by_seed(b[metric], b["seed"])
+    return d.dropna()
+
+
+def tost(d: float, se: float, dof: int, margin: float, level: float = LEVEL) -> tuple[float, bool]:
+    """Two one-sided tests of |true difference| < ``margin`` for an estimate ``d`` with standard
+    error ``se`` on ``dof`` degrees of freedom: (p, equivalent at 1 − level). The p is the larger
+    of the two one-sided p-values; equivalence is shown when the (2·level − 1) interval lies
+    inside ±margin."""
+    if not (np.isfinite(d) and np.isfinite(se) and dof) or se < 0:
+        return np.nan, False
+    if se == 0:
+        return (0.0, True) if abs(d) < margin else (1.0, False)
+    p = max(stats.t.sf((d + margin) / se, dof), stats.t.cdf((d - margin) / se, dof))
+    return float(p), bool(p < 1 - level)
 
 
 def log_t_interval(values, level: float = LEVEL) -> tuple[float, float, float, float]:
@@ -290,64 +374,70 @@ def seeds_needed_paired(sd_diff: float, delta: float, level: float = LEVEL,
 @dataclass(frozen=True)
 class RankResolution:
     """F test of "all variants have the same mean loss" in a variant + seed model (seeds as
-    blocks where they pair runs), and a bootstrap interval of Kendall's τ against a reference
-    ordering, resampling each variant's seeds; and ``power``: the chance that τ's test finds the
-    reference's order at 5% if our variants differed exactly as the reference does, each mean
-    blurred by its standard error (simulated). ``resolvable``: that power reaches 80%; otherwise a
-    τ near 0 is what these runs give whatever the true order, and says nothing against it."""
+    blocks where they pair runs), over the runs that did not diverge; and Kendall's τ against a
+    reference ordering judged at one noise level, the seed σ pooled over variants (diverging runs
+    apart, :func:`steady`; a variant with diverging runs keeps its own), each mean blurred by σ/√n: ``power``, the chance that τ's
+    test finds the reference's order at 5% were our variants spaced exactly as the reference's,
+    and a parametric bootstrap interval of τ around our means (a variant's own σ from two seeds
+    is too unsure for either). ``resolvable``: that power reaches 80%."""
     f: float
     f_p: float
     tau_lo: float
     tau_hi: float
-    median_se: float  # standard error of a variant's mean, median over variants
+    median_se: float  # standard error of a variant's mean from the pooled σ, median over variants
     spread: float  # range of the variants' mean losses
     power: float  # of Kendall's test at 5%, were the true means the reference's
     reference_spread: float  # range of the reference's values
+    sigma: float = np.nan  # the pooled seed σ behind every standard error
+    dof: int = 0
 
     @property
     def resolvable(self) -> bool:
         return bool(np.isfinite(self.power) and self.power >= 0.8)
 
 
-def rank_resolution(runs: pd.DataFrame, reference: dict, metric: str = "final_val_loss",
-                    n_boot: int = 1000, seed: int = 0, level: float = LEVEL) -> RankResolution:
+def _variant_f_test(d: pd.DataFrame) -> tuple[float, float]:
     import statsmodels.formula.api as smf
     from statsmodels.stats.anova import anova_lm
 
+    if d["variant"].nunique() < 2 or len(d) <= d["variant"].nunique():
+        return np.nan, np.nan
+    paired = ("seed" in d and d["seed"].notna().all()
+              and d.groupby("seed")["variant"].nunique().max() > 1)
+    formula = "y ~ C(variant) + C(seed)" if paired else "y ~ C(variant)"
+    data = d.assign(seed=d["seed"].astype(str)) if paired else d
+    table = anova_lm(smf.ols(formula, data=data).fit())
+    return float(table.loc["C(variant)", "F"]), float(table.loc["C(variant)", "PR(>F)"])
+
+
+def rank_resolution(runs: pd.DataFrame, reference: dict, metric: str = "final_val_loss",
+                    n_boot: int = 1000, seed: int = 0, level: float = LEVEL) -> RankResolution:
     cols = ["variant", metric] + (["seed"] if "seed" in runs else [])
-    d = runs[cols].dropna(subset=[metric]).rename(columns={metric: "y"})
-    groups = {v: g["y"].to_numpy(float) for v, g in d.groupby("variant")}
-    ses = [g.std(ddof=1) / np.sqrt(len(g)) for g in groups.values() if len(g) >= 2]
+    everything = runs[cols].dropna(subset=[metric])
+    kept, apart = steady(everything, metric)
+    sigma, dof = pooled_seed_sd(kept, metric)
+    groups = {v: g[metric].to_numpy(float) for v, g in everything.groupby("variant")}
     means = {v: g.mean() for v, g in groups.items()}
     spread = float(max(means.values()) - min(means.values())) if means else np.nan
-    f = fp = np.nan
-    if len(groups) >= 2 and len(d) > len(groups):
-        paired = ("seed" in d and d["seed"].notna().all()
-                  and d.groupby("seed")["variant"].nunique().max() > 1)
-        formula = "y ~ C(variant) + C(seed)" if paired else "y ~ C(variant)"
-        data = d.assign(seed=d["seed"].astype(str)) if paired else d
-        table = anova_lm(smf.ols(formula, data=data).fit())
-        f, fp = float(table.loc["C(variant)", "F"]), float(table.loc["C(variant)", "PR(>F)"])
+    f, fp = _variant_f_test(kept.rename(columns={metric: "y"}))
     common = [v for v in groups if v in reference and np.isfinite(reference[v])]
     lo = hi = power = ref_spread = np.nan
+    # A variant with diverging runs keeps its own scatter; the pooled σ would understate it.
+    own = set(apart["variant"])
+    se = np.array([(groups[v].std(ddof=1) if v in own else sigma) / np.sqrt(len(groups[v]))
+                   for v in common])
     if len(common) >= 2:
         ref = np.array([reference[v] for v in common])
         ref_spread = float(ref.max() - ref.min())
-    if len(common) >= 2 and n_boot > 0:
+    if len(common) >= 2 and n_boot > 0 and np.isfinite(se).all():
         rng = np.random.default_rng(seed)
-        se = np.array([groups[v].std(ddof=1) / np.sqrt(len(groups[v])) if len(groups[v]) >= 2
-                       else np.nan for v in common])
-        se = np.where(np.isfinite(se), se, np.nanmedian(se) if np.isfinite(se).any() else np.nan)
-        if np.isfinite(se).all():
-            hits = [stats.kendalltau(ref + rng.normal(0.0, se), ref) for _ in range(n_boot)]
-            power = float(np.mean([h.pvalue < 1 - level and h.statistic > 0 for h in hits]))
-        taus = []
-        for _ in range(n_boot):
-            m = [rng.choice(groups[v], len(groups[v])).mean() for v in common]
-            t = stats.kendalltau(m, ref).statistic
-            if np.isfinite(t):
-                taus.append(t)
+        hits = [stats.kendalltau(ref + rng.normal(0.0, se), ref) for _ in range(n_boot)]
+        power = float(np.mean([h.pvalue < 1 - level and h.statistic > 0 for h in hits]))
+        ours = np.array([means[v] for v in common])
+        taus = [stats.kendalltau(ours + rng.normal(0.0, se), ref).statistic for _ in range(n_boot)]
+        taus = [t for t in taus if np.isfinite(t)]
         if taus:
             lo, hi = np.quantile(taus, [(1 - level) / 2, (1 + level) / 2])
     return RankResolution(f, fp, float(lo), float(hi),
-                          float(np.median(ses)) if ses else np.nan, spread, power, ref_spread)
+                          float(np.median(se)) if len(se) else np.nan, spread, power, ref_spread,
+                          sigma, dof)

@@ -33,15 +33,17 @@ def frames(full_at_low_lr=0.05, s1_gap=0.0, scatter=0.0, baseline_fails_high=0.0
     return ablation, tuned, ablation, block_size, histories
 
 
-@pytest.mark.parametrize("full_at_low_lr, s1_gap, kind", [
-    (0.05, 0.0, "finding"),     # above the baseline at every rate; S = 1 reproduces Full
-    (-0.10, 0.0, "recipe"),     # below the baseline at lr 1e-3
-    (0.05, 0.03, "finding"),    # 0.03 from Full is still beside it (Block is 0.14 away)
-    (0.05, -0.12, "fault"),     # Block at S = 1 lands beside Block: Full's own path differs
-    (-0.10, -0.12, "fault"),    # a fault outranks the learning rate
+@pytest.mark.parametrize("full_at_low_lr, s1_gap, nuisance, kind", [
+    (0.05, 0.0, "survives", "finding"),   # above at every rate; S = 1 equivalent; robust to ε, init
+    (0.05, 0.0, None, "undecided"),       # the same, never varied over its nuisance settings
+    (0.05, 0.0, "reverses", "undecided"),  # the sign flips at another ε
+    (-0.10, 0.0, None, "recipe"),         # below the baseline at lr 1e-3
+    (0.05, 0.02, "survives", "finding"),  # 0.02 from Full, inside the ±0.03 equivalence margin
+    (0.05, -0.12, None, "fault"),         # Block at S = 1 lands beside Block: Full's own path differs
+    (-0.10, -0.12, None, "fault"),        # a fault outranks the learning rate
 ])
-def test_the_rule_that_decides(tmp_path, full_at_low_lr, s1_gap, kind):
-    got, text, files = diagnose(*frames(full_at_low_lr, s1_gap), tmp_path)
+def test_the_rule_that_decides(tmp_path, full_at_low_lr, s1_gap, nuisance, kind):
+    got, text, files = diagnose(*frames(full_at_low_lr, s1_gap), tmp_path, nuisance)
     assert got == kind
     table = pd.read_csv(tmp_path / "tables" / "full_lr.csv")
     assert sorted(table["lr"]) == pytest.approx([1e-3, 3e-3, 1e-2], rel=1e-12)
@@ -77,7 +79,7 @@ def test_a_grid_within_the_ablations_noise_decides_nothing(tmp_path):
 def test_a_rate_where_the_baseline_fails_is_not_one_where_full_wins(tmp_path):
     """The baseline 0.5 nats worse at lr 1e-2 puts Full below it there; each at its own best rate
     Full still trails, so the rule says *finding*, not *recipe*."""
-    kind, _, _ = diagnose(*frames(baseline_fails_high=0.5), tmp_path)
+    kind, _, _ = diagnose(*frames(baseline_fails_high=0.5), tmp_path, "survives")
     assert kind == "finding"
     table = pd.read_csv(tmp_path / "tables" / "full_lr.csv").set_index("lr")
     assert table.loc[1e-2, "full − baseline"] < 0

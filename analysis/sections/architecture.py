@@ -10,7 +10,8 @@ from scipy import stats
 from .. import architecture, figures
 from ..paper import Paper
 from .scaling import _block_count_note
-from .section import Claim, Section, _img, _md, _write
+from ..significance import t_interval, t_p
+from .section import Claim, Section, _img, _md, _verdict, _write
 
 NOMINAL_TOLERANCE = 0.05  # an actual ratio more than 5% off its nominal column is reported
 
@@ -57,6 +58,9 @@ def arch_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
         rows += [dict(source="ours", **r)
                  for r in architecture.optima_table(ours).to_dict("records")]
         files += _write(ours, out, "fig7_arch_grid")
+    # An optimum at the grid's edge has no neighbour on one side to refine it by: shown as such.
+    rows = [dict(r, refined=np.nan if r["at_edge"] else r["refined"],
+                 refined_loss=np.nan if r["at_edge"] else r["refined_loss"]) for r in rows]
     if rows:
         files += _write(pd.DataFrame(rows), out, "fig7_optima")
     if not ours_ok:
@@ -68,7 +72,9 @@ def arch_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
     text = _md(opt[["source", "variant", "heads_per_layer", "grid_optimum", "grid_loss",
                     "refined", "at_edge"]])
     text += ("\nOptimum: best grid cell, refined by the vertex of a parabola in log(d_model/L_b) "
-             "through it and its two neighbours in the same heads/L_b row.\n\n")
+             "through it and its two neighbours in the same heads/L_b row; at the grid's edge "
+             "(at_edge) there is no neighbour on one side, so it is not refined (–) and the true "
+             "optimum may lie beyond the grid.\n\n")
     text += _actual_note(ours) + _block_count_note(runs)
     claims = []
     o = opt[opt["source"] == "ours"].set_index("variant")
@@ -76,49 +82,85 @@ def arch_section(runs: pd.DataFrame, paper: Paper, out: Path) -> Section:
         sigma, dof = architecture.seed_noise(runs)
         cmp = architecture.compare_cells(ours, "block", sigma=sigma, dof=dof)
         claims.append(_optimum_claim(ours, o.loc["block"], o.loc["baseline"], sigma, dof))
-        k, n = int((cmp["delta"] < 0).sum()), len(cmp)
-        won, lost = int((cmp["outcome"] == "win").sum()), int((cmp["outcome"] == "loss").sum())
-        repeats = cmp[cmp["nominal"] > 1]
-        collapsed = int((repeats["nominal"] - 1).sum())
-        same = (f"; {collapsed} nominal cell{'s repeat' if collapsed > 1 else ' repeats'} "
-                "another's shape, counted once" if collapsed else "")
-        if not n:
-            claims.append(Claim("AttnRes wins in every cell (25 of 25)", "no shared cells",
-                                "not tested"))
-        elif not dof:
-            claims.append(Claim("AttnRes wins in every cell (25 of 25)",
-                                f"{k} of {n} cells lower by point estimate, one run each and no "
-                                f"seed-noise estimate{same}", "inconclusive"))
-        else:
-            claims.append(Claim("AttnRes wins in every cell (25 of 25)",
-                                f"{won} of {n} cells lower and {lost} higher beyond seed noise "
-                                f"({k} lower by point estimate){same}",
-                                "agrees" if won == n else "does not agree" if lost
-                                else "inconclusive"))
-        text += (f"Block AttnRes has the lower loss in {k} of {n} distinct model shapes both "
-                 f"variants have")
-        if collapsed:
-            # Two nominal cells that trained one model are one comparison, not two.
-            text += (f" ({n + collapsed} nominal cells: rounding to whole layers and heads made "
-                     + "; ".join(f"cells {r.cells} (d_model/L_b / heads/L_b) one model, "
-                                 f"{r.shape}" for r in repeats.itertuples())
-                     + ", counted once)")
-        text += ".\n\n"
-        if n and dof:
-            text += (f"Seed noise from the shapes trained with two or more seeds: σ = "
-                     f"{sigma:.4f} ({dof} degrees of freedom). A cell is a win or a loss only "
-                     "when its difference exceeds the 95% interval t·σ·√(1/n_block + "
-                     f"1/n_baseline): {won} wins, {lost} losses, {n - won - lost} within noise. "
-                     "An optimum is resolved only when each variant's own best cell beats its "
-                     "loss at the other variant's best cell by more than that interval.\n\n")
-        elif n:
-            d = cmp["delta"].abs()
-            text += (f"Every cell is one run (one seed), and no shape among these runs was trained "
-                     f"with two or more seeds, so they carry no estimate of seed noise: the "
-                     f"differences (|Δ| {d.min():.3f} to {d.max():.3f}) and the optima are point "
-                     "estimates, and both verdicts are *inconclusive*. A few cells run with more "
-                     "seeds would give the grid its noise floor.\n\n")
+        cell_text, cell_claims = _cells(cmp, sigma, dof)
+        text += cell_text
+        claims += cell_claims
     return Section(title, text + _img(files, out, "Fig. 7"), claims, files)
+
+
+AGGREGATE_CLAIM = "AttnRes has the lower loss over the grid (mean difference over its cells)"
+
+
+def _cells(cmp: pd.DataFrame, sigma: float, dof: int) -> tuple[str, list[Claim]]:
+    """The cell-by-cell claim (each cell against the seed noise) and, beside it, the aggregate
+    over cells (:func:`_aggregate`)."""
+    text, claims = "", []
+    k, n = int((cmp["delta"] < 0).sum()), len(cmp)
+    won, lost = int((cmp["outcome"] == "win").sum()), int((cmp["outcome"] == "loss").sum())
+    repeats = cmp[cmp["nominal"] > 1]
+    collapsed = int((repeats["nominal"] - 1).sum())
+    same = (f"; {collapsed} nominal cell{'s repeat' if collapsed > 1 else ' repeats'} "
+            "another's shape, counted once" if collapsed else "")
+    if not n:
+        claims.append(Claim("AttnRes wins in every cell (25 of 25)", "no shared cells",
+                            "not tested"))
+    elif not dof:
+        claims.append(Claim("AttnRes wins in every cell (25 of 25)",
+                            f"{k} of {n} cells lower by point estimate, one run each and no "
+                            f"seed-noise estimate{same}", "inconclusive"))
+    else:
+        claims.append(Claim("AttnRes wins in every cell (25 of 25)",
+                            f"{won} of {n} cells lower and {lost} higher beyond seed noise "
+                            f"({k} lower by point estimate){same}",
+                            "agrees" if won == n else "does not agree" if lost
+                            else "inconclusive"))
+    text += (f"Block AttnRes has the lower loss in {k} of {n} distinct model shapes both "
+             f"variants have")
+    if collapsed:
+        # Two nominal cells that trained one model are one comparison, not two.
+        text += (f" ({n + collapsed} nominal cells: rounding to whole layers and heads made "
+                 + "; ".join(f"cells {r.cells} (d_model/L_b / heads/L_b) one model, "
+                             f"{r.shape}" for r in repeats.itertuples())
+                 + ", counted once)")
+    text += ".\n\n"
+    if n and dof:
+        text += (f"Seed noise from the shapes trained with two or more seeds: σ = "
+                 f"{sigma:.4f} ({dof} degrees of freedom). A cell is a win or a loss only "
+                 "when its difference exceeds the 95% interval t·σ·√(1/n_block + "
+                 f"1/n_baseline): {won} wins, {lost} losses, {n - won - lost} within noise. "
+                 "An optimum is resolved only when each variant's own best cell beats its "
+                 "loss at the other variant's best cell by more than that interval.\n\n")
+    elif n:
+        d = cmp["delta"].abs()
+        text += (f"Every cell is one run (one seed), and no shape among these runs was trained "
+                 f"with two or more seeds, so they carry no estimate of seed noise: the "
+                 f"differences (|Δ| {d.min():.3f} to {d.max():.3f}) and the optima are point "
+                 "estimates, and both verdicts are *inconclusive*. A few cells run with more "
+                 "seeds would give the grid its noise floor.\n\n")
+    agg_text, agg_claim = _aggregate(cmp)
+    return text + agg_text, claims + ([agg_claim] if agg_claim else [])
+
+
+def _aggregate(cmp: pd.DataFrame) -> tuple[str, Claim | None]:
+    """Block − baseline over the distinct shapes both have: the mean with a t interval over cells
+    and a sign test. One cell alone is within seed noise; an effect shared by most cells is not.
+    Cells trained with one seed share it, so their differences may move together, which an
+    interval over cells treats as independent: the text says so."""
+    d = cmp["delta"].to_numpy(float)
+    d = d[np.isfinite(d)]
+    if len(d) < 2:
+        return "", None
+    m, h, n = t_interval(d)
+    p = t_p(d)
+    lower = int((d < 0).sum())
+    sign_p = float(stats.binomtest(lower, n, 0.5).pvalue)
+    ours = (f"Δ = {m:+.4f} ± {h:.4f} over {n} cells (t over cells); lower in {lower} of {n}, "
+            f"sign test p = {sign_p:.2g}")
+    text = (f"**Over the grid.** Block − baseline averaged over the {n} distinct shapes: {ours}. "
+            "The cells share seeds (the same seed trains every cell), so their differences are not "
+            "fully independent and this interval may be too narrow by as much as they move "
+            "together; the cell-by-cell verdict above judges each cell alone.\n\n")
+    return text, Claim(AGGREGATE_CLAIM, ours, _verdict(m - h, m + h), p)
 
 
 def _optimum_claim(grid: pd.DataFrame, a, b, sigma: float, dof: int) -> Claim:
@@ -129,8 +171,10 @@ def _optimum_claim(grid: pd.DataFrame, a, b, sigma: float, dof: int) -> Claim:
     seed-noise interval t·σ·√(1/n₁ + 1/n₂); otherwise either optimum could sit in the other's
     cell and the direction is *inconclusive*, as it is without a noise estimate at all."""
     name = "AttnRes prefers deeper, narrower models (optimum d_model/L_b 45 vs 60)"
-    where = (f"block {a.grid_optimum:g} (refined {a.refined:.1f}) vs baseline "
-             f"{b.grid_optimum:g} (refined {b.refined:.1f})")
+    def at(o):
+        return "at the grid's edge, not refined" if o.at_edge else f"refined {o.refined:.1f}"
+
+    where = f"block {a.grid_optimum:g} ({at(a)}) vs baseline {b.grid_optimum:g} ({at(b)})"
     spans = _actual_ratios(grid)
     actual = [spans.get(float(x)) for x in sorted({a.grid_optimum, b.grid_optimum})]
     if all(actual) and any(max(abs(lo - x), abs(hi - x)) > NOMINAL_TOLERANCE * x

@@ -2,6 +2,7 @@
 the learned depth weights (Fig. 8)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -151,64 +152,82 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
     of per-block gradient norms, and for the block family (BLOCK_FAMILY) how much the output RMS
     falls across AttnRes block boundaries relative to within blocks (:func:`boundary_drop`; the
     baseline's at the same positions is the null). Variants are compared on these per-run numbers
-    with a Welch interval, so seeds give the verdict its uncertainty."""
+    over seeds (paired where seeds pair), so seeds give the verdict its uncertainty."""
     title = "Training dynamics (paper Fig. 5)"
-    profiles, rows, per_run, per_run_seeds, drops = {}, [], {}, {}, {}
     S_of = _block_sizes(runs)
     block_S = {int(x) for x in S_of[runs.loc[runs["variant"] == "block", "run_id"]] if np.isfinite(x)}
     null_S = block_S.pop() if len(block_S) == 1 else np.nan  # the baseline at Block's positions
-    layers = (runs.set_index("run_id")["layers"].astype(float) if "layers" in runs
-              else pd.Series(np.nan, index=runs["run_id"].to_numpy()))
+    d = _Dynamics()
     for v, g in runs.groupby("variant"):
-        o = [_run_profile(r, instrumentation, runs, "output_rms") for r in g["run_id"]]
-        gr = [_run_profile(r, instrumentation, runs, "grad_norm") for r in g["run_id"]]
-        if all(p is None for p in o + gr):
-            continue
-        profiles[v] = {"output_rms": _mean_profile(o), "grad_norm": _mean_profile(gr)}
-        seeds = g["seed"].to_numpy(float) if "seed" in g else np.full(len(g), np.nan)
-        growth = np.array([p[-1] / p[0] for p in o if p is not None and len(p)])
-        spread = np.array([p.max() / p.min() for p in gr if p is not None and len(p)])
-        per_run[v] = (growth, spread)
-        per_run_seeds[v] = (np.array([s for p, s in zip(o, seeds) if p is not None and len(p)]),
-                            np.array([s for p, s in zip(gr, seeds) if p is not None and len(p)]))
-        # The state entering each block (artifact only): the residual stream for the baseline,
-        # the depth read for AttnRes variants; the output RMS above is what the blocks write.
-        hidden = [np.asarray(instrumentation.get(r, {}).get("hidden_rms_block") or [], float)
-                  for r in g["run_id"]]
-        S = [S_of[r] if v in BLOCK_FAMILY else null_S if v == "baseline" else np.nan
-             for r in g["run_id"]]
-        # The hidden profile's first entry is the embedding (source b_0, not a block's), the same
-        # for every variant: its step into the first block is left out.
-        drops[v] = (np.array([_drop(p, s, layers[r]) for p, s, r in zip(o, S, g["run_id"])]),
-                    np.array([_drop(h if len(h) else None, s, layers[r], first=1)
-                              for h, s, r in zip(hidden, S, g["run_id"])]))
-        hidden = np.array([h[-1] / h[0] for h in hidden if len(h) > 1 and np.isfinite(h).all() and h[0] > 0])
-        mo = profiles[v]["output_rms"]
-        rows.append({"variant": v, "runs": len(g), "blocks": len(mo) if mo is not None else np.nan,
-                     "rms_growth": growth.mean() if len(growth) else np.nan,
-                     "hidden_growth": hidden.mean() if len(hidden) else np.nan,
-                     "grad_max_over_min": spread.mean() if len(spread) else np.nan,
-                     "S": _same_or_range(S_of[g["run_id"]]) if v in BLOCK_FAMILY else np.nan,
-                     "boundary_drop": _nanmean(drops[v][0]),
-                     "hidden_boundary_drop": _nanmean(drops[v][1])})
+        _add_variant(d, v, g, runs, instrumentation, S_of, null_S)
     n_fig = _transformer_blocks(runs[runs["variant"] == "block"])
     starts = block_starts(n_fig, int(null_S)) if n_fig and np.isfinite(null_S) else []
-    files = figures.dynamics(profiles, out / "figures", boundaries=[k / 2 for k in starts],
+    files = figures.dynamics(d.profiles, out / "figures", boundaries=[k / 2 for k in starts],
                              boundary_label=f"Block AttnRes boundaries (S = {null_S:.0f})")
-    if not rows:
+    if not d.rows:
         return Section(title, "No instrumentation (depth/* metrics or instrumentation artifacts) "
                        "in these runs.\n\n", [Claim("Output magnitude grows with depth for the "
                                                     "baseline, stays bounded with Block AttnRes",
                                                     "no instrumentation", "not tested"),
                                               Claim(RESET_CLAIM, "no instrumentation", "not tested")],
                        files)
-    t = pd.DataFrame(rows)
+    t = pd.DataFrame(d.rows)
     for c in ("hidden_growth", "S", "boundary_drop", "hidden_boundary_drop"):
         if t[c].map(lambda x: isinstance(x, float) and not np.isfinite(x)).all():
             t = t.drop(columns=c)
     files += _write(t, out, "fig5_dynamics")
-    text = _md(t)
-    text += ("\nrms_growth: output RMS of the last block over the first (RMS of what the block's "
+    text = _md(t) + _dynamics_legend(t)
+    claims = _ratio_claims(d.per_run, d.per_run_seeds) + [_reset_claim(runs, S_of, d.drops)]
+    return Section(title, text + _img(files, out, "Fig. 5"), claims, files)
+
+
+@dataclass
+class _Dynamics:
+    profiles: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+    per_run: dict = field(default_factory=dict)  # variant -> (growth, spread) per run
+    per_run_seeds: dict = field(default_factory=dict)  # variant -> their seeds
+    drops: dict = field(default_factory=dict)  # variant -> (boundary drop, hidden) per run
+
+
+def _add_variant(d: _Dynamics, v, g, runs, instrumentation, S_of, null_S) -> None:
+    layers = (runs.set_index("run_id")["layers"].astype(float) if "layers" in runs
+              else pd.Series(np.nan, index=runs["run_id"].to_numpy()))
+    o = [_run_profile(r, instrumentation, runs, "output_rms") for r in g["run_id"]]
+    gr = [_run_profile(r, instrumentation, runs, "grad_norm") for r in g["run_id"]]
+    if all(p is None for p in o + gr):
+        return
+    d.profiles[v] = {"output_rms": _mean_profile(o), "grad_norm": _mean_profile(gr)}
+    seeds = g["seed"].to_numpy(float) if "seed" in g else np.full(len(g), np.nan)
+    growth = np.array([p[-1] / p[0] for p in o if p is not None and len(p)])
+    spread = np.array([p.max() / p.min() for p in gr if p is not None and len(p)])
+    d.per_run[v] = (growth, spread)
+    d.per_run_seeds[v] = (np.array([s for p, s in zip(o, seeds) if p is not None and len(p)]),
+                          np.array([s for p, s in zip(gr, seeds) if p is not None and len(p)]))
+    # The state entering each block (artifact only): the residual stream for the baseline,
+    # the depth read for AttnRes variants; the output RMS above is what the blocks write.
+    hidden = [np.asarray(instrumentation.get(r, {}).get("hidden_rms_block") or [], float)
+              for r in g["run_id"]]
+    S = [S_of[r] if v in BLOCK_FAMILY else null_S if v == "baseline" else np.nan
+         for r in g["run_id"]]
+    # The hidden profile's first entry is the embedding (source b_0, not a block's), the same
+    # for every variant: its step into the first block is left out.
+    d.drops[v] = (np.array([_drop(p, s, layers[r]) for p, s, r in zip(o, S, g["run_id"])]),
+                  np.array([_drop(h if len(h) else None, s, layers[r], first=1)
+                            for h, s, r in zip(hidden, S, g["run_id"])]))
+    hidden = np.array([h[-1] / h[0] for h in hidden if len(h) > 1 and np.isfinite(h).all() and h[0] > 0])
+    mo = d.profiles[v]["output_rms"]
+    d.rows.append({"variant": v, "runs": len(g), "blocks": len(mo) if mo is not None else np.nan,
+                   "rms_growth": growth.mean() if len(growth) else np.nan,
+                   "hidden_growth": hidden.mean() if len(hidden) else np.nan,
+                   "grad_max_over_min": spread.mean() if len(spread) else np.nan,
+                   "S": _same_or_range(S_of[g["run_id"]]) if v in BLOCK_FAMILY else np.nan,
+                   "boundary_drop": _nanmean(d.drops[v][0]),
+                   "hidden_boundary_drop": _nanmean(d.drops[v][1])})
+
+
+def _dynamics_legend(t: pd.DataFrame) -> str:
+    text = ("\nrms_growth: output RMS of the last block over the first (RMS of what the block's "
              "sublayers write, f_l(h_l)); grad_max_over_min: "
              "spread of per-block gradient norms (1 = uniform). Means over the runs of each "
              "variant at their latest instrumentation step. Both are ratios, so the verdicts "
@@ -238,7 +257,10 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
             text += (" hidden_boundary_drop: the same on the state entering each block (the embedding's "
                      "step into the first block left out), where the restart of the partial "
                      "block sum acts on what a block reads. Shown, not judged.")
-    text += "\n\n"
+    return text + "\n\n"
+
+
+def _ratio_claims(per_run: dict, per_run_seeds: dict) -> list[Claim]:
     claims = []
     # Growth and max/min are ratios: their scatter is multiplicative, so they are tested on the
     # log scale (a geometric mean and ratios of them), where a linear interval could cross 0.
@@ -264,8 +286,7 @@ def dynamics_section(runs: pd.DataFrame, instrumentation: dict, out: Path) -> Se
                 claims.append(Claim(what, f"{stat} {b:.3g} (baseline) vs {a:.3g} (geometric "
                                     f"means); ratio {r:.3g} [{rlo:.3g}, {rhi:.3g}], log scale, "
                                     f"{design}", _verdict(c.lo, c.hi), c.p))
-    claims.append(_reset_claim(runs, S_of, drops))
-    return Section(title, text + _img(files, out, "Fig. 5"), claims, files)
+    return claims
 
 
 def _nanmean(x) -> float:

@@ -54,6 +54,15 @@ def _verdict(lo, hi, better_is_negative=True):
     return "agrees" if lo > 0 else "does not agree" if hi < 0 else "inconclusive"
 
 
+def held_after_holm(verdict: str, p_holm: float, level: float = 0.05) -> str:
+    """The verdict of a check in the report's family: *agrees* / *does not agree* stand only where
+    the Holm-adjusted p is below ``level``, else *inconclusive*; a check without a p-value (a
+    bootstrap interval, a count) keeps its own verdict, outside the family."""
+    if verdict in ("agrees", "does not agree") and np.isfinite(p_holm) and p_holm >= level:
+        return "inconclusive"
+    return verdict
+
+
 def _md(df: pd.DataFrame) -> str:
     """Markdown with floats at 4 significant digits and missing values as a dash."""
     def cell(x):
