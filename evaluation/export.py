@@ -139,8 +139,9 @@ def _save_gpt2_tokenizer(folder: Path, tok) -> None:
         # tiktoken's own file format (transformers' helper for it wants the blobfile package)
         ranks = Path(tmp) / "gpt2.tiktoken"
         ranks.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()))
-        backend = TikTokenConverter(vocab_file=str(ranks), pattern=enc._pat_str,
-                                    extra_special_tokens=enc._special_tokens).converted()
+        specials = list(enc._special_tokens)  # the argument's name changed in transformers 5
+        backend = TikTokenConverter(vocab_file=str(ranks), pattern=enc._pat_str, extra_special_tokens=specials,
+                                    additional_special_tokens=specials).converted()
         fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
                                        eos_token="<|endoftext|>", clean_up_tokenization_spaces=False,
                                        model_max_length=_max_len(folder))
