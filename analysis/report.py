@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from . import ablation as abl
@@ -184,7 +185,8 @@ def _ablation_runs(fin: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return chosen, "; ".join(n for n in (note + (", " + restriction if restriction else ""), settings) if n) + "."
 
 
-def _inputs(runset: RunSet, roles: pd.Series, opts: Options, repeated: pd.DataFrame) -> str:
+def _inputs(runset: RunSet, roles: pd.Series, opts: Options, repeated: pd.DataFrame,
+            unusable: pd.DataFrame | None = None) -> str:
     runs = runset.runs
     lines = [f"Source: {markup.md(runset.source)}. {len(runs)} training runs in "
              f"{runs['experiment'].nunique()} experiment(s); bootstrap: {opts.n_boot} resamples, "
@@ -204,15 +206,34 @@ def _inputs(runset: RunSet, roles: pd.Series, opts: Options, repeated: pd.DataFr
         lines.append(abl.to_markdown(show.fillna("–")))
     else:
         lines.append("\nEvery run finished.\n")
+    lines += _left_out(runset, unusable)
     if len(repeated):
         show = repeated[["run_id", "sweep", "variant", "model", "seed", "run_key"]].copy()
         show["run_id"] = show["run_id"].str[:12]
         show["seed"] = show["seed"].map(lambda x: "–" if pd.isna(x) else f"{x:g}")
         lines.append(f"\n**{len(repeated)} finished run(s) repeat the config and seed of a later run** "
                      "(the same `attnres.run_key`: trained again with `train.resume=false` or into another "
-                     "checkpoint folder) and are left out of every statistic; the latest of each counts once:\n")
+                     "checkpoint folder; or the same trained values under another spelling, such as "
+                     "`train.steps` for `train.tokens`) and are left out of every statistic; the latest "
+                     "of each counts once:\n")
         lines.append(abl.to_markdown(show.fillna("–")))
     return "\n".join(lines)
+
+
+def _left_out(runset: RunSet, unusable: pd.DataFrame | None) -> list[str]:
+    """Lines naming what reading the input dropped, and every finished run without a usable
+    final loss, with its value."""
+    lines = [f"\nLeft out while reading the input: {markup.md(n)}.\n" for n in runset.notes]
+    if unusable is not None and len(unusable):
+        show = unusable[["run_id", "sweep", "variant", "model", "seed"]].copy()
+        show["run_id"] = show["run_id"].str[:12]
+        show["seed"] = show["seed"].map(lambda x: "–" if pd.isna(x) else f"{x:g}")
+        show["final_val_loss"] = unusable["final_val_loss"].map(
+            lambda x: "missing or not a number" if pd.isna(x) else f"{x:g}")
+        lines.append(f"\n**{len(unusable)} finished run(s) have no finite final validation loss** "
+                     "and are left out of every statistic:\n")
+        lines.append(abl.to_markdown(show.fillna("–")))
+    return lines
 
 
 def _summary(sections) -> str:
@@ -282,6 +303,8 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
     runs = runset.runs.copy()
     runs["section"] = assign_roles(runs, opts.roles)
     fin, repeated = latest_per_config(runs[runs["status"] == "FINISHED"])
+    unusable = fin[~np.isfinite(fin["final_val_loss"])]  # NaN, inf, or text read as NaN
+    fin = fin.drop(index=unusable.index)
     abl_runs, abl_note = _ablation_runs(fin)
     # Figs. 5 and 8 compare variants at one depth: the ablation's runs when there are any, else
     # the finished runs of the configuration with the most runs (profiles of different depths
@@ -335,7 +358,7 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
         paper_note = ("Paper: Kimi Team, *Attention Residuals*, arXiv 2603.15031 (2026); its "
                       "numbers are in `results/paper/`.")
     parts = ["# Attention Residuals: our runs beside the paper\n", paper_note + "\n",
-             "## Runs\n", _inputs(runset, runs["section"], opts, repeated),
+             "## Runs\n", _inputs(runset, runs["section"], opts, repeated, unusable),
              "## Where we agree with the paper and where we do not\n", _summary(sections)]
     for i, s in enumerate(sections, 1):
         parts += [f"## {i}. {s.title}\n", s.text]

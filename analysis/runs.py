@@ -92,6 +92,7 @@ class RunSet:
     instrumentation: dict[str, dict] = field(default_factory=dict)
     source: str = ""
     adaptive: dict | None = None  # adaptive.json beside a snapshot: the seeds' stopping rule and verdicts
+    notes: tuple[str, ...] = ()  # what reading the input left out (duplicate rows), for REPORT.md
     pilot: frozenset = frozenset()  # run ids of pilot/runs.csv beside a snapshot: the runs that sized the study
 
     @property
@@ -112,12 +113,29 @@ def latest_per_config(finished: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFram
     """(kept, superseded). Finished runs sharing an ``attnres.run_key`` (the hash of the whole
     config, seed included) are one config trained again (``train.resume=false``, or another
     checkpoint folder into the same store), not independent seeds: counted as such they would
-    narrow every interval with a copy. The latest started is kept; runs without the tag (older
-    harnesses, ad-hoc runs) are all kept."""
-    keyed = finished[finished["run_key"].notna()]
-    latest = keyed.sort_values("start_time", kind="mergesort", na_position="first").drop_duplicates("run_key", keep="last")
+    narrow every interval with a copy. Keyed runs that trained the same values under two keys
+    (``train.steps=20`` and ``train.tokens=40960`` name one budget) are one config too
+    (`trained_key`). The latest started is kept; runs without the tag (older harnesses, ad-hoc
+    runs) are all kept."""
+    keyed = finished[finished["run_key"].notna()].sort_values("start_time", kind="mergesort",
+                                                                na_position="first")
+    latest = keyed.drop_duplicates("run_key", keep="last")
+    known = latest["tokens"].notna() & latest["seed"].notna()  # what was trained is known
+    latest = pd.concat([latest[~known], latest[known].assign(_t=trained_key(latest[known]))
+                        .drop_duplicates("_t", keep="last").drop(columns="_t")])
     superseded = keyed.index.difference(latest.index)
     return finished.drop(index=superseded), finished.loc[superseded]
+
+
+def trained_key(runs: pd.DataFrame) -> pd.Series:
+    """What each run trained, as one string: its sweep, variant, seed, tokens trained and every
+    config value the run frame holds (shape, learning rate, batch, data, residual settings),
+    whatever overrides spelled them."""
+    cols = [c for c in ("sweep", "variant", "model", "seed", "tokens", "data_fingerprint",
+                        *(c for c, src in _FIELDS.items() if src[0][0] == "params"
+                          and not src[0][1].startswith("count."))) if c in runs]
+    cols = list(dict.fromkeys(cols))
+    return runs[cols].apply(lambda c: c.map(lambda x: "?" if pd.isna(x) else repr(x))).agg("/".join, axis=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,18 +394,78 @@ def import_snapshot(path) -> RunSet:
     missing = [c for c in ("run_id", "variant", "status", "final_val_loss") if c not in raw]
     if missing:
         raise AnalysisInputError(f"snapshot {path} lacks columns: {', '.join(missing)}")
+    raw, notes = _unique_rows(raw, path)
     if raw.empty:
         raise AnalysisInputError(f"snapshot {path} holds no runs")
     rows = raw.astype(object).where(raw.notna(), None).to_dict("records")
     runs = _tidy(rows)
-    hist_path, inst_path = _sidecars(path)
-    histories = (pd.read_csv(hist_path, dtype={"run_id": str, "key": str})
-                 if hist_path.is_file() else RunSet(runs).histories)
-    instrumentation = json.loads(inst_path.read_text()) if inst_path.is_file() else {}
-    adaptive_path = path.parent / "adaptive.json"  # python -m analysis.adaptive --out <that folder>
-    adaptive = json.loads(adaptive_path.read_text()) if adaptive_path.is_file() else None
+    histories, instrumentation, adaptive = _read_sidecars(path)
     pilot_path = path.parent / "pilot" / "runs.csv"
     pilot = (frozenset(pd.read_csv(pilot_path, usecols=["run_id"], dtype=str)["run_id"])
              if pilot_path.is_file() else frozenset())
     return RunSet(runs=runs, histories=histories, instrumentation=instrumentation,
                   source=f"snapshot {path.name}", adaptive=adaptive, pilot=pilot)
+
+
+def _unique_rows(raw: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, tuple[str, ...]]:
+    """One row per run id: snapshots joined with ``cat`` repeat the header as a row and may hold
+    a run twice, which would count it as two seeds. The last row of a run id is kept; (rows,
+    notes saying what was dropped)."""
+    notes = []
+    header = (raw[["run_id", "variant", "status"]] == ["run_id", "variant", "status"]).all(axis=1)
+    if header.any():
+        notes.append(f"{int(header.sum())} repeated header row(s) of {path.name} dropped")
+        raw = raw[~header]
+    twice = raw["run_id"].duplicated(keep="last")
+    if twice.any():
+        ids = sorted(set(raw.loc[twice, "run_id"].astype(str)))
+        shown = ", ".join(i[:12] for i in ids[:10]) + (", …" if len(ids) > 10 else "")
+        notes.append(f"{int(twice.sum())} row(s) of {path.name} repeat the run id of a later row "
+                     f"and were dropped, the last row of each run counting once ({shown})")
+        raw = raw[~twice]
+    return raw.reset_index(drop=True), tuple(notes)
+
+
+def _read_sidecars(path: Path) -> tuple[pd.DataFrame, dict, dict | None]:
+    """(histories, instrumentation, adaptive.json) beside a snapshot, each optional; a damaged one
+    is bad input named with what is wrong (AnalysisInputError), not a parser's traceback."""
+    hist_path, inst_path = _sidecars(path)
+    histories = RunSet(pd.DataFrame()).histories
+    if hist_path.is_file():
+        try:
+            histories = pd.read_csv(hist_path, dtype={"run_id": str, "key": str})
+        except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
+            raise AnalysisInputError(f"{hist_path} is not a history CSV: {_first_line(exc)}") from None
+        missing = [c for c in ("run_id", "key", "step", "value") if c not in histories]
+        bad = [c for c in ("step", "value") if c in histories
+               and pd.to_numeric(histories[c], errors="coerce").isna().gt(histories[c].isna()).any()]
+        if missing or bad:
+            raise AnalysisInputError(f"{hist_path} is not a history CSV: " + (
+                f"lacks columns {', '.join(missing)}" if missing else f"non-numeric {', '.join(bad)}")
+                + " (expected run_id, key, step, value as `export` writes)")
+    instrumentation = _read_json(inst_path, dict, "an object of run id → instrumentation") or {}
+    # python -m analysis.adaptive --out <the snapshot's folder> writes it
+    adaptive = _read_json(path.parent / "adaptive.json", dict, "the object analysis.adaptive writes")
+    if adaptive is not None and not ({"rule", "comparisons"} <= set(adaptive)
+                                     and isinstance(adaptive["comparisons"], list)):
+        raise AnalysisInputError(f"{path.parent / 'adaptive.json'} lacks its rule or comparisons "
+                                 "(expected the file python -m analysis.adaptive --out writes)")
+    return histories, instrumentation, adaptive
+
+
+def _read_json(path: Path, kind: type, expected: str):
+    """The JSON value of ``path`` if the file exists (None if not); bad input if it is not JSON
+    of ``kind``."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AnalysisInputError(f"{path} is not JSON: {_first_line(exc)}") from None
+    if not isinstance(value, kind):
+        raise AnalysisInputError(f"{path} holds a {type(value).__name__}; expected {expected}")
+    return value
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

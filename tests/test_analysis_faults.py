@@ -85,3 +85,65 @@ def test_hostile_names_are_escaped_in_the_report_and_its_tables(tmp_path):
     assert "&lt;img src=x onerror=alert(1)&gt;" in texts["REPORT.md"]
     tex = (out / "tables" / "table4_ablation.tex").read_text()
     assert r"x\$y\}" in tex and "x$y}" not in tex
+
+
+# --------------------------------------------------------------------------------------------
+# Snapshots: one variant, duplicate rows, unusable losses, damaged side files
+# --------------------------------------------------------------------------------------------
+def test_a_snapshot_of_one_variant_reports_what_it_can(tmp_path):
+    out = tmp_path / "out"
+    assert _report(_snapshot(tmp_path / "snap", _rows(("baseline",))), out) == 0
+    report = (out / "REPORT.md").read_text()
+    assert "This section failed" not in report
+    assert pd.read_csv(out / "tables" / "table4_ablation.csv")["n"].tolist() == [3]
+
+
+def test_duplicate_rows_and_unusable_losses_are_counted_once_and_named(tmp_path):
+    """A `cat`-merged snapshot (its header repeated, every run twice) counts each run once, and a
+    FINISHED run whose loss is NaN, inf or text is named in REPORT.md, not dropped in silence."""
+    snap = _snapshot(tmp_path / "snap", _rows())
+    bad = pd.DataFrame(_rows(("block",), seeds=(7, 8, 9)))
+    bad["final_val_loss"] = ["nan", "inf", "abc"]
+    bad["run_id"] = ["lossnan", "lossinf", "losstext"]
+    text = snap.read_text()
+    snap.write_text(text + text + bad.to_csv(index=False))  # cat a.csv a.csv bad.csv
+    out = tmp_path / "out"
+    assert _report(snap, out) == 0
+    table = pd.read_csv(out / "tables" / "table4_ablation.csv").set_index("variant")
+    assert table["n"].to_dict() == {"baseline": 3, "full": 3, "block": 3}
+    report = (out / "REPORT.md").read_text()
+    assert "repeated header row" in report and "repeat the run id of a later row" in report
+    assert "3 finished run(s) have no finite final validation loss" in report
+    for rid in ("lossnan", "lossinf", "losstext"):
+        assert f"| {rid} |" in report
+
+
+def test_one_run_spelled_two_ways_counts_once():
+    """`train.steps=20` and `train.tokens=40960` give two run keys for what trained the same
+    tokens at the same everything: one sample, the later kept."""
+    from analysis.runs import _tidy, latest_per_config
+
+    rows = [{**r, "start_time": 1000 + i} for i, r in enumerate(_rows(("baseline",), seeds=(0, 1)))]
+    rows.append({**rows[0], "run_id": "respelled", "run_key": "another-key", "start_time": 5000})
+    rows.append({**rows[1], "run_id": "more-tokens", "run_key": "k3", "tokens": 81920.0, "start_time": 6000})
+    kept, dropped = latest_per_config(_tidy(rows))
+    assert sorted(kept["run_id"]) == ["baseline-1", "more-tokens", "respelled"]
+    assert dropped["run_id"].tolist() == ["baseline-0"]
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("runs.history.csv", 'run_id,key,step,value\n"x,val/loss,1\n', "not a history CSV"),
+    ("runs.history.csv", "a,b\n1,2\n", "lacks columns run_id, key, step, value"),
+    ("runs.history.csv", "run_id,key,step,value\nr,val/loss,one,2.0\n", "non-numeric step"),
+    ("runs.instrumentation.json", '{"r": [1, 2', "not JSON"),
+    ("runs.instrumentation.json", "[1, 2]", "holds a list"),
+    ("adaptive.json", "{broken", "not JSON"),
+    ("adaptive.json", '{"plan": {}}', "lacks its rule or comparisons"),
+])
+def test_a_damaged_side_file_is_one_line_and_exit_2(tmp_path, capsys, name, content, needle):
+    snap = _snapshot(tmp_path / "snap", _rows())
+    (snap.parent / name).write_bytes(content.encode())
+    assert _report(snap, tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and name in err[0] and needle in err[0]
+    assert not (tmp_path / "out" / "REPORT.md").exists()
