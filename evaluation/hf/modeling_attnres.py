@@ -70,8 +70,7 @@ class _CacheView:
 class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = AttnResConfig
     base_model_prefix = "model"
-    _no_split_modules = ["Sublayer"]
-    _supports_cache_class = True
+    _no_split_modules = ["DecoderLM"]  # the residual reads every sublayer's output: one device for all
 
     def __init__(self, config: AttnResConfig):
         _require_core()
