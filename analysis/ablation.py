@@ -227,8 +227,10 @@ def resolution_text(r: RankResolution) -> str:
             f"{r.reference_spread:.3f}), τ's test would find that order with probability "
             f"{r.power:.0%} at our noise (each variant's mean blurred by the pooled seed σ = "
             f"{r.sigma:.4f}, {r.dof} degrees of freedom, over √n; standard error {r.median_se:.4f}, "
-            "median; simulated). 95% interval of τ, each mean redrawn with that standard error: "
-            f"[{r.tau_lo:.2f}, {r.tau_hi:.2f}]: {tau_reading(r)}")
+            "median; simulated). 95% interval of τ, each mean redrawn with that standard error "
+            f"(seed noise alone, these variants fixed): [{r.tau_lo:.2f}, {r.tau_hi:.2f}]: "
+            f"{tau_reading(r)}; whether so few variants show any association at all is Kendall's "
+            "test, its p above")
     f = (f". Our variants do differ among themselves (F = {r.f:.2f}, p = {r.f_p:.2g}, variant + "
          f"seed model; range of means {r.spread:.3f})" if np.isfinite(r.f_p) and r.f_p < 0.05 else
          f". Our variants are not told apart among themselves (F = {r.f:.2f}, p = {r.f_p:.2g}, "
