@@ -385,8 +385,12 @@ class NullTracker:
 class MlflowTracker(NullTracker):
     enabled = True
 
-    def __init__(self, client, run_id: str, flush_seconds: float, resumed: bool, pending_dir: Path | None = None):
+    def __init__(self, client, run_id: str, flush_seconds: float, resumed: bool, pending_dir: Path | None = None,
+                 uri: str | None = None):
         self.client, self.run_id = client, run_id
+        self.uri = uri
+        self._store = _file_identity(sqlite_path(uri)) if uri else None  # a SQLite store: which file it was
+        self._gone: str | None = None  # why the store cannot take this run's records any more
         self.flush_seconds = flush_seconds
         self.resumed = resumed
         self.pending_dir = pending_dir  # None: a failed flush raises (no run folder to keep it in)
@@ -432,7 +436,7 @@ class MlflowTracker(NullTracker):
                 tags=dict(tags), log_system_metrics=system_metrics,
             )
         try:
-            return cls(client, run.info.run_id, flush_seconds, resumed=resumed, pending_dir=pending_dir)
+            return cls(client, run.info.run_id, flush_seconds, resumed=resumed, pending_dir=pending_dir, uri=uri)
         except BaseException:
             mlflow.end_run(status="FAILED")  # never leave an active run behind in this process
             raise
@@ -486,7 +490,8 @@ class MlflowTracker(NullTracker):
 
         if self._offline_since is None or self.pending_dir is None:
             try:
-                self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+                with self._store_call():
+                    self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
                 return
             except Exception as error:
                 if self.pending_dir is None:
@@ -514,15 +519,16 @@ class MlflowTracker(NullTracker):
         instead (the loop goes on); the server is retried at most every RETRY_SECONDS (`force`:
         now), and the first flush that reaches it replays the files first, in order."""
         self._last_flush = time.monotonic()
-        if self._offline_since is not None and not force and time.monotonic() < self._retry_at:
+        if self._offline_since is not None and (self._gone or (not force and time.monotonic() < self._retry_at)):
             self._spill()
             return
         try:
-            if self.pending_dir is not None and self.has_pending():
-                self._replay()
-            while self._buffer:
-                self.client.log_batch(self.run_id, metrics=self._buffer[:MAX_BATCH])
-                self._buffer = self._buffer[MAX_BATCH:]  # dropped only once written
+            with self._store_call():
+                if self.pending_dir is not None and self.has_pending():
+                    self._replay()
+                while self._buffer:
+                    self.client.log_batch(self.run_id, metrics=self._buffer[:MAX_BATCH])
+                    self._buffer = self._buffer[MAX_BATCH:]  # dropped only once written
         except Exception as error:  # the server's errors come as MlflowException or requests' own
             if self.pending_dir is None:
                 raise
@@ -541,10 +547,37 @@ class MlflowTracker(NullTracker):
     def _go_offline(self, error: Exception) -> None:
         if self._offline_since is None:
             self._offline_since = time.monotonic()
-            log.warning("tracking server unreachable (%s); training goes on, metrics are kept in %s "
-                        "and replayed when it is back", " ".join(str(error).split())[:300],
-                        self.pending_dir / PENDING_METRICS)
+            if self._gone:
+                log.warning("%s; training goes on, its records are kept in %s", self._gone, self.pending_dir)
+            else:
+                log.warning("tracking server unreachable (%s); training goes on, metrics are kept in %s "
+                            "and replayed when it is back", " ".join(str(error).split())[:300],
+                            self.pending_dir / PENDING_METRICS)
         self._retry_at = time.monotonic() + RETRY_SECONDS
+
+    @contextmanager
+    def _store_call(self) -> Iterator[None]:
+        """Around the calls that write to the store: a SQLite file deleted or replaced since the run
+        opened is not written (MLflow would write to the deleted file's inode, or into a new store
+        that does not hold this run); MLflow's own logged tracebacks of a failing database are
+        held back while the run folder keeps the records (one warning says it instead)."""
+        if self._store is not None and self._gone is None:
+            now = _file_identity(self._store[0])
+            if now != self._store:
+                self._gone = (f"the tracking store {self.uri} was {'deleted' if now is None else 'replaced by another file'} "
+                              f"during run {self.run_id}")
+        if self._gone:
+            raise StoreGone(self._gone)
+        if self.pending_dir is None:
+            yield
+            return
+        quiet = logging.getLogger("mlflow.store.db.utils")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            quiet.setLevel(level)
 
     def _spill(self) -> None:
         """Append the buffer to the pending file, synced to disk (a crash then loses nothing)."""
@@ -593,7 +626,8 @@ class MlflowTracker(NullTracker):
     def _artifact(self, upload, keep, artifact_file: str) -> None:
         if self._offline_since is None or self.pending_dir is None:
             try:
-                upload()
+                with self._store_call():
+                    upload()
                 return
             except Exception as error:
                 if self.pending_dir is None:
@@ -642,19 +676,44 @@ class MlflowTracker(NullTracker):
             try:
                 if self.pending_dir is not None and self.has_pending():
                     raise ConnectionError("pending metrics or tags not sent")
-                if active is not None and active.info.run_id == self.run_id:
-                    mlflow.end_run(status=mlflow_status)
-                else:
-                    self.client.set_terminated(self.run_id, status=mlflow_status)
+                with self._store_call():
+                    if active is not None and active.info.run_id == self.run_id:
+                        mlflow.end_run(status=mlflow_status)
+                    else:
+                        self.client.set_terminated(self.run_id, status=mlflow_status)
             except Exception:
                 if self.pending_dir is None:
                     raise
                 if mlflow.active_run() is not None and mlflow.active_run().info.run_id == self.run_id:
                     mlflow.tracking.fluent._active_run_stack.get().pop()  # this process is done with it
                 atomic_write(self.pending_dir / END_PENDING, lambda tmp: tmp.write_text(json.dumps({"status": mlflow_status})))
-                print(f"warning: the MLflow server is unreachable: run {self.run_id} stays RUNNING there; "
-                      f"its metrics wait in {self.pending_dir / PENDING_METRICS}. Rerun the same command "
-                      "when the server is back to send them", file=sys.stderr, flush=True)
+                if self._gone:
+                    print(f"warning: {self._gone}: its metrics, tags and artifacts since then are kept in "
+                          f"{self.pending_dir}; put that store back and rerun the same command to send them, or "
+                          "rerun with train.resume=false to train it again into a new store", file=sys.stderr, flush=True)
+                else:
+                    print(f"warning: the MLflow server is unreachable: run {self.run_id} stays RUNNING there; "
+                          f"its metrics wait in {self.pending_dir / PENDING_METRICS}. Rerun the same command "
+                          "when the server is back to send them", file=sys.stderr, flush=True)
+
+
+class StoreGone(ConnectionError):
+    """The SQLite store a run logs to was deleted or replaced while it ran."""
+
+
+class RunNotInStore(ValueError):
+    """A finished run's MLflow run is not in the store its record names (one line, what to do)."""
+
+
+def _file_identity(path: Path | None) -> tuple[Path, int, int] | None:
+    """(path, device, inode) of an existing file, else None."""
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return path, st.st_dev, st.st_ino
 
 
 def _metric_line(m) -> str:
@@ -686,23 +745,41 @@ def _clear_pending(folder: Path) -> None:
 
 
 def replay_folder(uri: str, run_id: str, folder: Path) -> bool:
-    """Send what a run left waiting in `folder` while its server was down (metrics, tags, its end).
-    True when nothing waits any more; False (with a warning) when the server is still down."""
+    """Send what a run left waiting in `folder` while its store could not be reached (metrics,
+    tags, its end). True when nothing waits any more; False (with a warning) when the store is
+    still unreachable. RunNotInStore when the store answers but does not hold the run (deleted, or
+    the store replaced since): a finished run it does not hold is not "finished" there."""
     names = (PENDING_METRICS, PENDING_TAGS, PENDING_ARTIFACTS, END_PENDING)
-    if not any((folder / n).exists() for n in names):
-        return True
+    waiting = any((folder / n).exists() for n in names)
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():  # (not created: MLflow would make an empty store there)
+        raise RunNotInStore(_not_held(uri, run_id, folder, waiting, "no such file"))
     try:
-        tracker = MlflowTracker(client_for(uri), run_id, 5.0, resumed=False, pending_dir=folder)
+        client = client_for(uri)
+        if not _run_exists(client, run_id):
+            raise RunNotInStore(_not_held(uri, run_id, folder, waiting, "the store has no such run"))
+        if not waiting:
+            return True
+        tracker = MlflowTracker(client, run_id, 5.0, resumed=False, pending_dir=folder)
         end = folder / END_PENDING
         if end.exists():
             tracker.client.set_terminated(run_id, status=json.loads(end.read_text())["status"])
             end.unlink()
+    except RunNotInStore:
+        raise
     except Exception as error:
         log.warning("run %s: pending metrics in %s not sent yet (%s)", run_id, folder,
                     " ".join(str(error).split())[:300])
         return False
     log.warning("run %s: metrics logged while the tracking server was down are now in MLflow", run_id)
     return True
+
+
+def _not_held(uri: str, run_id: str, folder: Path, waiting: bool, why: str) -> str:
+    kept = f"; what it logged after the store went is kept in {folder}" if waiting else ""
+    return (f"{folder.name}: finished, but its MLflow run {run_id} is not in tracking.uri={redact(uri)} ({why}: "
+            f"the store was deleted or replaced, or the run deleted, since){kept}; allowed: that store put back "
+            "(the same command then sends what waits), or train.resume=false to train it again into this store")
 
 
 def _run_exists(client, run_id: str) -> bool:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from harness_testing import ROOT, TINY
+from harness_testing import restore_process_state  # noqa: F401  (a fixture, used below)
 
 FAST = ["tracking.log_code=false", "tracking.log_env=false"]
 
@@ -80,3 +81,64 @@ def test_a_sound_store_and_an_empty_file_are_not_damage(mlflow_store, tmp_path):
     assert sqlite_damage(tmp_path / "good.db") is None and sqlite_damage(tmp_path / "empty.db") is None
     assert sqlite_damage(tmp_path / "absent.db") is None
     assert "a folder" in sqlite_damage(tmp_path) and "another kind of file" in sqlite_damage(ROOT / "README.md")
+
+
+@pytest.mark.usefixtures("restore_process_state")
+def test_a_store_deleted_mid_run_keeps_the_records_and_the_rerun_never_calls_the_run_finished(tmp_path, monkeypatch,
+                                                                                              capfd):
+    """The SQLite store deleted at step 3 (a backup taken just before): it was six of MLflow's
+    tracebacks, "the MLflow server is unreachable", and a rerun answering "already finished" for
+    a run the new store never saw. Now: one warning while it trains and one at its end saying how
+    to send the records kept in the run folder; a rerun without the store is one line, exit 2,
+    and leaves no empty store; with the store put back the rerun sends everything, once."""
+    import shutil
+
+    from harness import job
+    from harness.tracking import PENDING_METRICS, MlflowTracker
+    from harness_testing import compose
+
+    store = tmp_path / "mlflow.db"
+    real_log = MlflowTracker.log_metrics
+
+    def delete_the_store_after_step_2(self, metrics, step):
+        if step == 3 and "train/loss" in metrics and store.exists():
+            shutil.copy(store, tmp_path / "backup.db")
+            store.unlink()
+        return real_log(self, metrics, step)
+
+    monkeypatch.setattr(MlflowTracker, "log_metrics", delete_the_store_after_step_2)
+    overrides = [*TINY, *FAST, f"tracking.uri=sqlite:///{store}", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+                 "tracking.flush_seconds=0"]
+    value = job.run(compose(overrides))  # trains to the end
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "server is unreachable" not in err, err[-3000:]
+    said = [l for l in err.splitlines() if "was deleted during run" in l]
+    assert len(said) == 1 and "train.resume=false" in said[0] and "rerun the same command" in said[0], said
+    folder = next((tmp_path / "ckpt").rglob("run.json")).parent
+    assert '"step": 6' in (folder / PENDING_METRICS).read_text()
+    assert not store.exists()  # no empty store made in its place
+
+    def rerun():
+        # (code_change=keep: the files of the tree may change while the suite runs; not this test's subject)
+        return subprocess.run([sys.executable, "run.py", *overrides, f"hydra.run.dir={tmp_path / 'out'}",
+                               "train.code_change=keep"], cwd=ROOT,
+                              env=_env(), capture_output=True, text=True, timeout=120)
+
+    result = rerun()
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "is not in tracking.uri=" in lines[0] and "train.resume=false" in lines[0], lines
+    assert "already finished" not in result.stderr and not store.exists() and not (tmp_path / "out").exists()
+
+    shutil.copy(tmp_path / "backup.db", store)  # the store put back: the same command sends what waited
+    result = rerun()
+    assert result.returncode == 0 and "already finished" in result.stderr, result.stderr[-3000:]
+    # Read with sqlite3: this process's MLflow client still holds the deleted file open.
+    import sqlite3
+
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT status FROM runs").fetchall() == [("FINISHED",)]
+        assert db.execute("SELECT value FROM latest_metrics WHERE key = 'final/val_loss'").fetchall() == [(value,)]
+        steps = db.execute("SELECT step FROM metrics WHERE key = 'train/loss' ORDER BY step").fetchall()
+    assert [s for (s,) in steps] == [1, 2, 3, 4, 5, 6]  # each once
+    assert not [p for p in folder.iterdir() if "pending" in p.name]
