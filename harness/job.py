@@ -26,7 +26,7 @@ from harness.data import DataError, TokenData, load_data
 from harness.config import changes_the_run, override_key
 from harness.config import absolute_sqlite
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
-from harness.tracking import MlflowTracker, NullTracker, end_replaced_run, replay_folder
+from harness.tracking import MlflowTracker, NullTracker, RunNotInStore, end_replaced_run, replay_folder
 from harness.tracking import TrackingUnreachable, check_tracking_uri
 from harness.train import RESUME_HINT, NonFiniteLoss, StopRequested, Trainer
 
@@ -258,7 +258,10 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
                     "its recorded result stands" if record.get("status") == "finished" else "resuming with this code")
     if record and record.get("status") == "finished":
         if c.tracking.enabled and record.get("mlflow_run_id") and not folder.read_only:  # metrics its server missed
-            replay_folder(c.tracking.uri, record["mlflow_run_id"], folder.path)
+            try:  # (a store that lost the run is said, never answered "already finished")
+                replay_folder(record.get("tracking_uri") or c.tracking.uri, record["mlflow_run_id"], folder.path)
+            except RunNotInStore as error:
+                return _bad_input(error, multirun, output_dir)
         value = record["final"]["final/val_loss"]
         if not folder.read_only:  # under torchrun rank 0 reports for all
             # The run folder is keyed by what a run computes, not where it logs: a run finished
