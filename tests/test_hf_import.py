@@ -58,11 +58,23 @@ def test_the_baseline_computes_what_the_llama_checkpoint_computes(tmp_path, tied
     assert torch.allclose(got, want, rtol=0, atol=ATOL), float((got - want).abs().max())
 
 
-def test_the_qwen3_layout_without_q_k_norms_is_the_llama_layout(tmp_path):
-    folder, hf = checkpoint(tmp_path / "qwen3", kind="qwen3")
-    # Qwen3 always has q_norm/k_norm: refused, naming the tensor
-    with pytest.raises(hf_import.ImportRefused, match="q_norm|k_norm"):
+def test_qwen3s_q_and_k_norms_are_refused_by_name(tmp_path):
+    folder, _ = checkpoint(tmp_path / "qwen3", kind="qwen3")
+    with pytest.raises(hf_import.ImportRefused, match=r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight") as error:
         imported(folder)
+    assert "\n" not in str(error.value)
+
+
+def test_a_sharded_bfloat16_checkpoint_imports_widened(tmp_path):
+    """Shards (model.safetensors.index.json) and bf16 weights, widened exactly to the run's float32."""
+    _, hf = checkpoint(tmp_path / "fp32")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="40KB")
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").is_file()
+    ours = imported(tmp_path / "bf16")
+    widened = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    idx = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(ours(idx)[0], widened(idx).logits, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("residual", ["block", "full", "mhc", "denseformer"])
@@ -93,6 +105,11 @@ def test_what_decoderlm_cannot_hold_is_refused_in_one_line(tmp_path):
         hf_import.read_config(wide)
     with pytest.raises(hf_import.ImportRefused, match="config.json"):
         hf_import.read_config(tmp_path / "nowhere")
+    (tmp_path / "no_weights").mkdir()
+    plain, _ = checkpoint(tmp_path / "plain")
+    (tmp_path / "no_weights" / "config.json").write_text((plain / "config.json").read_text())
+    with pytest.raises(hf_import.ImportRefused, match="safetensors"):
+        hf_import.load_into(DecoderLM(ModelConfig()), tmp_path / "no_weights")
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(hf_import.ImportRefused, match="model_type"):
