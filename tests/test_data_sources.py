@@ -182,6 +182,34 @@ def test_a_file_replaced_with_its_size_and_mtime_kept_is_read_again(tmp_path):
     assert again.fingerprint["sha256"] != first.fingerprint["sha256"]
 
 
+@pytest.mark.parametrize("source", ["shards", "nanogpt"])
+def test_token_files_replaced_with_their_size_and_mtime_kept_get_a_new_fingerprint(source, tmp_path):
+    """The same for token files: their digest was memoised by path, size and mtime alone, so the
+    fingerprint (what a resumed run compares its data with) stayed the old one."""
+    import os
+
+    def write(folder, value):
+        folder.mkdir()
+        if source == "shards":
+            for split in ("train", "val"):
+                write_shard(folder / f"d_{split}_000000.bin", [value] * 500)
+        else:
+            for split in ("train", "val"):
+                write_nanogpt_bin(folder / f"{split}.bin", [value] * 500)
+        return sorted(folder.iterdir())
+
+    data = tmp_path / "data"
+    old = write(data, 1)
+    first = load_data(DataConfig(name=source, path=str(data), vocab_size=256), seq_len=16)
+    new = write(tmp_path / "new", 2)
+    for before, after in zip(old, new):
+        st = before.stat()
+        os.utime(after, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(after, before)
+    again = load_data(DataConfig(name=source, path=str(data), vocab_size=256), seq_len=16)
+    assert set(again.train.tolist()) == {2} and again.fingerprint["sha256"] != first.fingerprint["sha256"]
+
+
 def test_corrupt_cache_entry_is_rebuilt(tmp_path):
     cfg = DataConfig(max_bytes=50_000)
     good = load_data(cfg, seq_len=64)

@@ -161,8 +161,10 @@ def _digest(path: Path, offset: int, count: int) -> str:
     """sha256 of `count` tokens at byte `offset`, memoised by the file's identity (hashing gigabytes
     on every start is slow)."""
     st = path.stat()
+    # the inode and ctime too: a file replaced by one of the same size with its mtime kept (cp -p,
+    # rsync -a) kept its old digest, and a run resumed on other tokens without a word
     key = cache.cache_key({"digest": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
-                           "offset": offset, "count": count})
+                           "inode": st.st_ino, "ctime": st.st_ctime_ns, "offset": offset, "count": count})
     hit = cache.load(key)
     if hit is not None and isinstance(hit.get("sha256"), str):
         return hit["sha256"]
