@@ -1,4 +1,4 @@
-"""Command line: ``python -m analysis {report,export,merge,noise} ...``.
+"""Command line: ``python -m analysis {report,export,merge,noise,robustness} ...``.
 
 Exit status: 0 on success; 2 on bad input (missing file, unknown experiment, no runs, bad
 arguments), with one line on stderr naming the problem; 1 when the report was written but a
@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
                      help="compute at which the multiplier is read (default: largest scaling run)")
     rep.add_argument("--role", type=_role, action="append", default=[], metavar="SWEEP=SECTION",
                      help="assign a sweep to a section (ablation, block_size, scaling, arch, "
-                          "multihop, tuned_lr)")
+                          "multihop, tuned_lr, robustness)")
     rep.add_argument("--paper-dir", default=None, help="folder of the paper's CSVs "
                      "(default: results/paper of this repository)")
     noi = sub.add_parser("noise", help="noise study of one recipe: seed σ, same-seed-difference "
@@ -84,6 +84,11 @@ def parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="snapshot runs into a CSV (+ history and instrumentation)")
     _source(exp, snapshot=False)
     exp.add_argument("--out", required=True, help="CSV path, e.g. results/runs.csv")
+    rob = sub.add_parser("robustness", help="each comparison re-judged at the nuisance settings a "
+                                            "declaration names; --train adds the missing seeds")
+    from .robustness import add_arguments
+
+    add_arguments(rob)
     mer = sub.add_parser("merge", help="one snapshot from snapshots of different stores")
     mer.add_argument("snapshots", nargs="+", metavar="CSV", help="run CSVs written by `export`")
     mer.add_argument("--out", required=True, help="CSV path of the merged snapshot")
@@ -157,8 +162,22 @@ def _noise(args, runset) -> int:
     return 0
 
 
+def _robustness(args) -> int:
+    from . import robustness
+
+    try:
+        if args.out:
+            _check_out(Path(args.out).expanduser().absolute(), folder=True)
+        return robustness.main(args, _default_tracking_uri())
+    except AnalysisInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "robustness":
+        return _robustness(args)
     try:
         _check_out(Path(args.out).expanduser().absolute(), folder=args.command not in ("export", "merge"))
         if args.command == "merge":

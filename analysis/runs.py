@@ -42,6 +42,13 @@ _FIELDS: dict[str, list[tuple[str, str]]] = {
     "n_kv_heads": [("params", "model.n_kv_heads")],
     "d_ff": [("params", "model.d_ff")],
     "lr": [("params", "optim.lr")],
+    # Nuisance knobs of the recipe (analysis/robustness.py); unset ones resolve in _knob_defaults.
+    "norm_eps": [("params", "model.norm_eps")],
+    "prenorm_eps": [("params", "model.prenorm_eps")],
+    "residual_norm_eps": [("params", "model.residual_norm_eps")],
+    "final_norm_eps": [("params", "model.final_norm_eps")],
+    "init_std": [("params", "model.init_std")],
+    "embed_std": [("params", "model.embed_std")],
     "batch_size": [("params", "train.batch_size")],
     "seq_len": [("params", "train.seq_len")],
     "data": [("params", "data.name")],
@@ -232,6 +239,7 @@ def _tidy(rows: list[dict]) -> pd.DataFrame:
     # FLOPs from the accounting when the run ended before logging them.
     df["flops"] = df["flops"].where(df["flops"].notna(), df["tokens"] * df["flops_per_token"])
     df["compute_pfd"] = df["flops"] / PFLOPS_DAY
+    _knob_defaults(df)
     df["d_model_per_layer"] = df["d_model"] / df["layers"]
     df["heads_per_layer"] = df["n_heads"] / df["layers"]
     lead = ["run_id", "experiment", "sweep", "variant", "model", "seed", "status", "failure",
@@ -241,6 +249,16 @@ def _tidy(rows: list[dict]) -> pd.DataFrame:
     df = df[lead + rest + depth]
     return df.sort_values(["experiment", "variant", "model", "seed", "run_id"],
                           na_position="last", kind="mergesort").reset_index(drop=True)
+
+
+def _knob_defaults(df: pd.DataFrame) -> None:
+    """The value each knob ran at: a per-family epsilon or embed_std left unset (None) is its
+    parent's, and a snapshot exported before the knobs were columns ran at the model's defaults."""
+    df["norm_eps"] = df["norm_eps"].fillna(1e-6)
+    for col in ("prenorm_eps", "residual_norm_eps", "final_norm_eps"):
+        df[col] = df[col].fillna(df["norm_eps"])
+    df["init_std"] = df["init_std"].fillna(0.02)
+    df["embed_std"] = df["embed_std"].fillna(df["init_std"])
 
 
 def load_runs(tracking_uri: str, experiments=None, filter_string: str = "") -> pd.DataFrame:
