@@ -47,6 +47,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     run = parse_run_reference(args.source) if not Path(args.source).expanduser().exists() else None
     try:
+        _require_transformers()
         if args.log_to_run and run is None:
             raise ExportError(f"--log-to-run: {args.source} is not an MLflow run id or runs:/ URI; allowed: a run id as the source")
         out = export(args.source, args.out, tokenizer=args.tokenizer, tracking_uri=args.tracking_uri)
@@ -55,11 +56,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(f"wrote {out}")
     if args.log_to_run:
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        MlflowClient(tracking_uri=_tracking_uri(args.tracking_uri)).log_artifacts(run[0], str(out), ARTIFACT_PATH)
+        try:
+            MlflowClient(tracking_uri=_tracking_uri(args.tracking_uri)).log_artifacts(run[0], str(out), ARTIFACT_PATH)
+        except (MlflowException, OSError) as e:
+            print(f"error: {out} is written, but logging it into run {run[0]} failed: {' '.join(str(e).split())[:300]}",
+                  file=sys.stderr)
+            return 1
         print(f"logged {out} into run {run[0]} as {ARTIFACT_PATH}/")
     return 0
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ExportError("the export needs transformers: pip install -e '.[hf]'") from None
 
 
 def export(source: str, out: str, tokenizer: Optional[str] = None, tracking_uri: Optional[str] = None) -> Path:
@@ -101,9 +115,9 @@ def write_folder(model, config: dict, folder: Path, tokenizer: Optional[str] = N
     hf.model.load_state_dict(model.state_dict())
     hf.save_pretrained(folder)  # copies modeling_attnres.py and writes auto_map
     if tok.name == "bytes":
-        _save_byte_tokenizer(folder, prefix)
+        _save_byte_tokenizer(folder, prefix, model.config.max_seq_len)
     else:
-        _save_gpt2_tokenizer(folder, tok)
+        _save_gpt2_tokenizer(folder, tok, model.config.max_seq_len)
 
 
 def check_folder(model, folder: Path) -> None:
@@ -120,14 +134,14 @@ def check_folder(model, folder: Path) -> None:
                           f"{float((got - want).abs().max()):.3g} > {LOGITS_ATOL}; nothing was written")
 
 
-def _save_byte_tokenizer(folder: Path, prefix: int) -> None:
+def _save_byte_tokenizer(folder: Path, prefix: int, max_len: int) -> None:
     from .hf.tokenization_attnres import AttnResByteTokenizer
 
     AttnResByteTokenizer.register_for_auto_class("AutoTokenizer")
-    AttnResByteTokenizer(bos_token=chr(prefix), model_max_length=_max_len(folder)).save_pretrained(folder)
+    AttnResByteTokenizer(bos_token=chr(prefix), model_max_length=max_len).save_pretrained(folder)
 
 
-def _save_gpt2_tokenizer(folder: Path, tok) -> None:
+def _save_gpt2_tokenizer(folder: Path, tok, max_len: int) -> None:
     """tiktoken's GPT-2 encoding converted to a `tokenizers` tokenizer.json (no download beyond tiktoken's)."""
     import base64
 
@@ -144,14 +158,8 @@ def _save_gpt2_tokenizer(folder: Path, tok) -> None:
                                     additional_special_tokens=specials).converted()
         fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
                                        eos_token="<|endoftext|>", clean_up_tokenization_spaces=False,
-                                       model_max_length=_max_len(folder))
+                                       model_max_length=max_len)
     fast.save_pretrained(folder)
-
-
-def _max_len(folder: Path) -> int:
-    import json
-
-    return int(json.loads((folder / "config.json").read_text())["max_position_embeddings"])
 
 
 def _plain(dataclass_obj) -> dict:

@@ -230,3 +230,11 @@ def test_a_gpt2_run_gets_tiktokens_encoding_as_a_fast_tokenizer(tmp_path, monkey
     assert tok.eos_token_id == tok.bos_token_id == enc.eot_token
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == config["bos_token_id"] == enc.eot_token
+
+
+def test_a_static_cache_is_refused_not_read_as_keys(tmp_path):
+    _, out = exported(tmp_path, tiny("baseline"))
+    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    prompt = torch.tensor([[72, 101, 108]])
+    with pytest.raises(ValueError, match="dynamic cache"):
+        hf.generate(prompt, max_new_tokens=3, do_sample=False, cache_implementation="static")

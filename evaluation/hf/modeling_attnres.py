@@ -102,6 +102,8 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("attnres models take input_ids only (no inputs_embeds)")
         cache = cache if cache is not None else past_key_values
+        if getattr(cache, "is_compileable", False):  # a static cache returns its whole buffer, zeros included
+            raise ValueError("attnres models decode with transformers' dynamic cache only (not cache_implementation='static')")
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
         _check_mask(attention_mask, cached=cache is not None)
