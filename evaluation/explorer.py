@@ -230,7 +230,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         import shutil
         import tempfile
 
-        from .tracking import log_file
+        from .source import store_gone
+
+        if store_gone(source):  # the page stays; nothing is made where the store was
+            return _fail(f"not logged to run {source.run_id}: {store_gone(source)}; the page is {out}", 1)
+
+        from .mlflow_results import log_file
 
         with tempfile.TemporaryDirectory() as tmp:
             # The artifact is always named depth.html, whatever --out was.

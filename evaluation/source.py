@@ -54,6 +54,17 @@ def open_source(arg: str, device=None, tracking_uri: Optional[str] = None, log_t
     return Source(model, config, arg, run_id, tracking_uri)
 
 
+def store_gone(source: Source) -> Optional[str]:
+    """Why results cannot go into the source's run any more: its SQLite store deleted since it was
+    read (MLflow would make an empty store in its place, then fail to find the run); else None."""
+    from harness.tracking import sqlite_path
+
+    db = sqlite_path(source.tracking_uri) if source.run_id and source.tracking_uri else None
+    if db is not None and not db.exists():
+        return f"the tracking store {db} is gone (deleted since run {source.run_id} was read)"
+    return None
+
+
 def data_settings(source: Source, overrides: Optional[list[str]] = None, seq_len: Optional[int] = None):
     """(DataConfig, seq_len) of the run's validation split, with `key=value` overrides applied."""
     from harness.data import DataConfig

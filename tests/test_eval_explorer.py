@@ -180,6 +180,33 @@ def test_logged_into_the_mlflow_run(checkpoint, tmp_path):
     assert [a.path for a in client.list_artifacts(run.info.run_id, "explorer")] == ["explorer/depth.html"]
 
 
+def test_a_store_deleted_while_the_page_is_made_is_one_line_and_not_recreated(checkpoint, tmp_path, capsys,
+                                                                               monkeypatch):
+    """MLflow makes an empty SQLite store where a deleted one was, then fails on the missing run:
+    the page is kept, one line says why it was not logged, and no store appears."""
+    mlflow = pytest.importorskip("mlflow")
+    import evaluation.explorer as explorer
+
+    store = tmp_path / "mlflow.db"
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{store}")
+    run = client.create_run(client.create_experiment("explorer", artifact_location=(tmp_path / "artifacts").as_uri()))
+    client.log_artifacts(run.info.run_id, str(checkpoint), "model")
+    real_page = explorer.page
+
+    def page_then_the_store_goes(*args, **kwargs):
+        html = real_page(*args, **kwargs)
+        store.unlink()
+        return html
+
+    monkeypatch.setattr(explorer, "page", page_then_the_store_goes)
+    capsys.readouterr()
+    out = tmp_path / "d.html"
+    assert main([run.info.run_id, "--tracking-uri", f"sqlite:///{store}", "--out", str(out), "--prompts", "1"]) == 1
+    said = [l for l in capsys.readouterr().err.splitlines() if l.startswith("explorer:")]  # (MLflow's download bar aside)
+    assert len(said) == 1 and "is gone" in said[0] and str(out) in said[0], said
+    assert out.exists() and not store.exists()
+
+
 def chromium(tmp_path, url, *extra):
     """Run headless Chromium once; return (stdout, stderr)."""
     args = [
