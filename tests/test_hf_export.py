@@ -238,3 +238,19 @@ def test_a_static_cache_is_refused_not_read_as_keys(tmp_path):
     prompt = torch.tensor([[72, 101, 108]])
     with pytest.raises(ValueError, match="dynamic cache"):
         hf.generate(prompt, max_new_tokens=3, do_sample=False, cache_implementation="static")
+
+
+def test_labels_and_a_cache_continued_by_hand(tmp_path):
+    model = tiny("mhc")
+    _, out = exported(tmp_path, model)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    idx = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        # transformers' convention: labels are the inputs, shifted inside
+        loss = hf(idx, labels=idx).loss
+        assert torch.allclose(loss, model(idx[:, :-1], targets=idx[:, 1:])[1], rtol=0, atol=ATOL)
+        first = hf(idx[:, :12], use_cache=True)
+        name = "cache" if hasattr(first, "cache") else "past_key_values"  # the name transformers 5 gave it
+        rest = hf(idx[:, 12:], use_cache=True, **{name: getattr(first, name)})
+        whole = hf(idx).logits
+    assert torch.allclose(torch.cat([first.logits, rest.logits], 1), whole, rtol=0, atol=ATOL)
