@@ -117,15 +117,67 @@ def jobs(statuses: list[Status], runs: pd.DataFrame) -> dict[int, list[str]]:
 
 
 # --------------------------------------------------------------------------------------------
-def _finished(uri: str, experiment: str) -> pd.DataFrame:
+# Run in a child process, as training is: analysis imports no training code. Prints
+# [[variant, seed, run key], ...] for `python run.py -m OVERRIDES`, or one line and exit 2.
+_KEYS = """
+import json, sys
+from harness.checkpoint import run_key
+from harness.config import ConfigError, to_plain
+from harness.estimate import EstimateError, expand
+try:
+    jobs = expand(sys.argv[1:])
+except (ConfigError, EstimateError) as error:
+    print((str(error).strip().splitlines() or [type(error).__name__])[0], file=sys.stderr)
+    sys.exit(2)
+print(json.dumps([[j.spec.cfg.residual.name, j.spec.cfg.train.seed, run_key(to_plain(j.spec.cfg))]
+                  for j in jobs]))
+"""
+
+
+class AdaptiveInputError(ValueError):
+    """Arguments or a recipe that cannot run: one line, exit 2, before anything trains."""
+
+
+def resolve_keys(plan: Plan, overrides: list[str]) -> dict[tuple[str, int], str]:
+    """{(variant, seed): run key} of every run the plan may train, from the resolved config of
+    ``run.py -m overrides`` (harness.checkpoint.run_key): the recipe a run must have to count. A
+    variant or override that does not compose is AdaptiveInputError."""
+    variants = sorted({v for c in plan.comparisons for v in c})
+    seeds = plan.seeds(plan.max_seeds)
+    cmd = [sys.executable, "-c", _KEYS, *overrides, f"residual={','.join(variants)}",
+           f"train.seed={','.join(map(str, seeds))}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, MPLBACKEND="Agg"))
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+        raise AdaptiveInputError(f"the recipe does not resolve: {lines[-1] if done.returncode != 2 else lines[0]}")
+    return {(v, int(s)): k for v, s, k in json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def _finished(uri: str, experiment: str, keys: dict[tuple[str, int], str] | None = None,
+              log=None) -> pd.DataFrame:
+    """The finished runs of the experiment that trained the recipe asked for: each run's
+    ``attnres.run_key`` must be the key its (variant, seed) resolves to (``keys``); runs of
+    another recipe, or without a key, are not this study's runs and are left out (said on
+    ``log``)."""
     from .runs import AnalysisInputError, load_runs, latest_per_config
 
     try:
         runs = load_runs(uri, [experiment])
     except AnalysisInputError:  # no such experiment yet: nothing trained
-        return pd.DataFrame(columns=["variant", "seed", "final_val_loss", "status"])
+        return pd.DataFrame(columns=["variant", "seed", "final_val_loss", "status", "run_key"])
     fin, _ = latest_per_config(runs[runs["status"] == "FINISHED"])
-    return fin.dropna(subset=["final_val_loss", "seed"])
+    fin = fin.dropna(subset=["final_val_loss", "seed"])
+    if keys is None:
+        return fin
+    want = [keys.get((v, int(s))) for v, s in zip(fin["variant"], fin["seed"])]
+    ours = fin["run_key"].eq(pd.Series(want, index=fin.index, dtype=object))
+    studied = fin["variant"].isin({v for v, _ in keys})
+    other = int((studied & ~ours).sum())
+    if other and log is not None:
+        print(f"note: {other} finished run(s) of experiment {experiment} were trained with another "
+              "recipe (their run keys differ from this one's) and are not used", file=log, flush=True)
+    return fin[ours]
 
 
 def _launch(todo: dict[int, list[str]], overrides: list[str], lanes: int, log) -> int:
@@ -133,6 +185,17 @@ def _launch(todo: dict[int, list[str]], overrides: list[str], lanes: int, log) -
     keep the cores busy whatever the count; the number of multiruns that failed."""
     queue = [(seed, v) for seed, variants in todo.items() for v in variants]
     running: list[subprocess.Popen] = []
+    try:
+        return _train(queue, running, overrides, lanes, log)
+    except KeyboardInterrupt:  # stop the runs this call started; their checkpoints resume them
+        for p in running:
+            p.terminate()
+        for p in running:
+            p.wait()
+        raise
+
+
+def _train(queue, running: list, overrides: list[str], lanes: int, log) -> int:
     failed = 0
     env = dict(os.environ, MPLBACKEND="Agg")
     while queue or running:
@@ -165,12 +228,17 @@ def table(statuses: list[Status], plan: Plan) -> pd.DataFrame:
 
 def run(plan: Plan, uri: str, experiment: str, overrides: list[str], lanes: int = 2,
         budget_runs: int | None = None, budget_minutes: float | None = None,
-        log=sys.stdout) -> tuple[list[Status], int]:
-    """Train until every comparison has stopped; (statuses, runs trained by this call)."""
+        log=sys.stdout, keys: dict[tuple[str, int], str] | None = None) -> tuple[list[Status], int]:
+    """Train until every comparison has stopped; (statuses, runs trained by this call). Only runs
+    whose run key is the one ``keys`` gives their (variant, seed) count (`resolve_keys`; None
+    resolves them here), so a changed recipe trains its own runs, never reuses the old ones."""
     start, trained = time.monotonic(), 0
     base = [f"sweep.name={experiment}", f"tracking.uri={uri}", *overrides]
+    keys = resolve_keys(plan, base) if keys is None else keys
+    note = log
     while True:
-        runs = _finished(uri, experiment)
+        runs = _finished(uri, experiment, keys, note)
+        note = None  # said once
         statuses = evaluate(runs, plan)
         todo = jobs(statuses, runs)
         if not todo:
@@ -184,10 +252,11 @@ def run(plan: Plan, uri: str, experiment: str, overrides: list[str], lanes: int 
             return _out_of_budget(statuses), trained
         failed = _launch(todo, base, lanes, log)
         trained += n
-        if failed:  # a failing recipe would fail again: stop, and say so
-            after = jobs(evaluate(_finished(uri, experiment), plan), _finished(uri, experiment))
-            if after == todo:
-                raise RuntimeError("no run of the last round finished; see the messages above")
+        after_runs = _finished(uri, experiment, keys)
+        if jobs(evaluate(after_runs, plan), after_runs) == todo:  # it would fail again: stop
+            raise RuntimeError("no run of the last round finished with this recipe"
+                               + ("; see the messages above" if failed else
+                                  " (the runs' keys differ from the recipe's)"))
 
 
 def _out_of_budget(statuses: list[Status]) -> list[Status]:
@@ -197,7 +266,8 @@ def _out_of_budget(statuses: list[Status]) -> list[Status]:
     return statuses
 
 
-def _log_verdict(uri: str, experiment: str, plan: Plan, statuses: list[Status]) -> None:
+def _log_verdict(uri: str, experiment: str, plan: Plan, statuses: list[Status],
+                 overrides: list[str] = ()) -> None:
     import mlflow
 
     mlflow.set_tracking_uri(uri)
@@ -207,7 +277,7 @@ def _log_verdict(uri: str, experiment: str, plan: Plan, statuses: list[Status]) 
         mlflow.log_params({"comparisons": ",".join(f"{a}:{b}" for a, b in plan.comparisons),
                            "looks": ",".join(map(str, plan.looks)), "level": plan.level,
                            "look_level": plan.look_level, "half_width": plan.half_width,
-                           "stop": plan.stop})
+                           "stop": plan.stop, "overrides": " ".join(overrides)[:6000]})
         for s in statuses:
             key = f"{s.a}_vs_{s.b}"
             mlflow.set_tag(f"verdict.{key}", s.verdict)
@@ -252,35 +322,72 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+# What the study sets itself for every run: an override of these would train another study.
+_OWN = {"residual": "--compare", "train.seed": "--first-seed and the looks", "sweep.name": "--experiment",
+        "tracking.uri": "--tracking-uri"}
+
+
+def _check(args) -> None:
+    """Every argument, before anything trains or is created (AdaptiveInputError, one line)."""
     bad = [f"--{k.replace('_', '-')} {v}" for k, v in (
         ("start_seeds", args.start_seeds), ("step", args.step), ("lanes", args.lanes)) if v < (2 if k == "start_seeds" else 1)]
     if args.max_seeds < args.start_seeds:
         bad.append(f"--max-seeds {args.max_seeds} (below --start-seeds)")
+    if args.first_seed < 0:
+        bad.append(f"--first-seed {args.first_seed} (seeds are ≥ 0)")
     if not args.half_width > 0:
         bad.append(f"--half-width {args.half_width}")
+    if args.budget_runs is not None and args.budget_runs < 1:
+        bad.append(f"--budget-runs {args.budget_runs} (at least 1 run)")
+    if args.budget_minutes is not None and not 0 < args.budget_minutes < float("inf"):
+        bad.append(f"--budget-minutes {args.budget_minutes:g} (a positive number of minutes)")
     if args.recipe is not None and not (ROOT / "sweeps" / f"{args.recipe}.yaml").is_file():
         bad.append(f"--recipe {args.recipe} (no sweeps/{args.recipe}.yaml)")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        bad.append(f"--out {args.out} (a file, not a folder)")
+    for line in args.overrides:
+        key = line.lstrip("+~").split("=", 1)[0]
+        if key in _OWN:
+            bad.append(f"override {line} (the study sets {key}: use {_OWN[key]})")
     if bad:
-        print(f"error: invalid {', '.join(bad)}: seeds ≥ 2 at the first look, step and lanes ≥ 1, "
-              "a positive half-width, a recipe of sweeps/", file=sys.stderr)
-        return 2
+        raise AdaptiveInputError(f"invalid {', '.join(bad)}: seeds ≥ 2 at the first look, step and "
+                                 "lanes ≥ 1, seeds from 0, a positive half-width and budget, a "
+                                 "recipe of sweeps/")
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     from .__main__ import _default_tracking_uri
 
     uri = args.tracking_uri or _default_tracking_uri()
     experiment = args.experiment or args.recipe or "adaptive"
-    plan = Plan(tuple(args.compare), args.start_seeds, args.step, args.max_seeds, args.half_width,
-                stop=args.stop, first_seed=args.first_seed)
     overrides = ([f"+sweep={args.recipe}"] if args.recipe else []) + list(args.overrides)
-    print(plan.rule(), flush=True)
-    t0 = time.monotonic()
     try:
+        _check(args)
+        plan = Plan(tuple(args.compare), args.start_seeds, args.step, args.max_seeds,
+                    args.half_width, stop=args.stop, first_seed=args.first_seed)
+        keys = resolve_keys(plan, [f"sweep.name={experiment}", f"tracking.uri={uri}", *overrides])
+        print(plan.rule(), flush=True)
+        t0 = time.monotonic()
         statuses, trained = run(plan, uri, experiment, overrides, args.lanes, args.budget_runs,
-                                args.budget_minutes)
+                                args.budget_minutes, keys=keys)
+        _report(args, plan, statuses, trained, time.monotonic() - t0, uri, experiment, overrides)
+    except AdaptiveInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: the runs started were stopped (a rerun resumes them); no verdict logged",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def _report(args, plan: Plan, statuses: list[Status], trained: int, seconds: float, uri: str,
+            experiment: str, overrides: list[str]) -> None:
+    """The verdict: in the terminal, in MLflow and, with --out, in adaptive.md/.json."""
     t = table(statuses, plan)
     from .ablation import to_markdown
 
@@ -288,18 +395,16 @@ def main(argv=None) -> int:
                               half_width=t["half_width"].map(lambda x: f"{x:.4f}"),
                               level=t["level"].map(lambda x: f"{x:.4g}")))
     print(md, end="")
-    print(f"{trained} runs trained in {time.monotonic() - t0:.0f} s; store {uri}, experiment "
-          f"{experiment}")
-    _log_verdict(uri, experiment, plan, statuses)
+    print(f"{trained} runs trained in {seconds:.0f} s; store {uri}, experiment {experiment}")
+    _log_verdict(uri, experiment, plan, statuses, overrides)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "adaptive.md").write_text(plan.rule() + "\n\n" + md)
         (out / "adaptive.json").write_text(json.dumps(
             {"plan": {**asdict(plan), "looks": plan.looks, "look_level": plan.look_level},
-             "rule": plan.rule(), "comparisons": [asdict(s) for s in statuses]},
-            indent=2, default=float) + "\n")
-    return 0
+             "rule": plan.rule(), "overrides": overrides,
+             "comparisons": [asdict(s) for s in statuses]}, indent=2, default=float) + "\n")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,8 @@ def trained_key(runs: pd.DataFrame) -> pd.Series:
                         *(c for c, src in _FIELDS.items() if src[0][0] == "params"
                           and not src[0][1].startswith("count."))) if c in runs]
     cols = list(dict.fromkeys(cols))
+    if runs.empty:  # apply on no rows gives a frame, not a column
+        return pd.Series("", index=runs.index, dtype=object)
     return runs[cols].apply(lambda c: c.map(lambda x: "?" if pd.isna(x) else repr(x))).agg("/".join, axis=1)
 
 

@@ -147,3 +147,141 @@ def test_a_damaged_side_file_is_one_line_and_exit_2(tmp_path, capsys, name, cont
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and name in err[0] and needle in err[0]
     assert not (tmp_path / "out" / "REPORT.md").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# The adaptive stage: keyed by the recipe, arguments checked first, Ctrl-C
+# --------------------------------------------------------------------------------------------
+def _log_finished(uri, experiment, variant, seed, loss, key):
+    """A FINISHED training run as run.py logs it (the tags and metric the analysis reads)."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    rid = client.create_run(exp_id, tags={"attnres.variant": variant, "attnres.run_key": key,
+                                          "attnres.status": "FINISHED", "attnres.role": "job"}).info.run_id
+    client.log_batch(rid, metrics=[Metric("final/val_loss", loss, 0, 1)],
+                     params=[Param("train.seed", str(seed)), Param("sweep.name", experiment)])
+    client.set_terminated(rid)
+
+
+def test_a_changed_recipe_trains_its_own_runs_and_never_reuses_the_old_verdict(tmp_path, monkeypatch):
+    """Runs of the experiment trained with `train.steps=400` are not runs of `train.steps=7
+    optim.lr=0.1`: called again with other overrides, the study trains the new recipe's runs
+    (their keys) and judges those alone."""
+    from analysis import adaptive
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    plan = adaptive.Plan((("block", "baseline"),), start=2, max_seeds=2, half_width=10.0)
+    for s in (0, 1):  # the old recipe: block far below the baseline
+        _log_finished(uri, "study", "block", s, 1.0 + 0.01 * s, f"old-block-{s}")
+        _log_finished(uri, "study", "baseline", s, 2.0, f"old-baseline-{s}")
+    new = {(v, s): f"new-{v}-{s}" for v in ("block", "baseline") for s in (0, 1)}
+    launched = []
+
+    def fake_launch(todo, overrides, lanes, log):  # training, as fast as logging its result
+        for s, variants in todo.items():
+            for v in variants:
+                launched.append((v, s))
+                _log_finished(uri, "study", v, s, 3.0 + (0.5 if v == "block" else 0) + 0.01 * s, new[(v, s)])
+        return 0
+
+    monkeypatch.setattr(adaptive, "_launch", fake_launch)
+    log = __import__("io").StringIO()
+    (st,), trained = adaptive.run(plan, uri, "study", ["train.steps=7", "optim.lr=0.1"], log=log, keys=new)
+    assert trained == 4 and sorted(launched) == sorted(new)
+    assert st.n == 2 and st.diff == pytest.approx(0.5) and st.verdict == "block > baseline"
+    assert "4 finished run(s) of experiment study were trained with another recipe" in log.getvalue()
+    # the same recipe again: nothing to train, the same verdict
+    (again,), trained = adaptive.run(plan, uri, "study", [], log=log, keys=new)
+    assert trained == 0 and again.verdict == st.verdict
+
+
+def test_run_keys_follow_the_resolved_recipe():
+    from analysis import adaptive
+
+    plan = adaptive.Plan((("block", "baseline"),), start=2, max_seeds=2)
+    long = adaptive.resolve_keys(plan, ["model=tiny", "train.steps=400", "sweep.name=s"])
+    short = adaptive.resolve_keys(plan, ["model=tiny", "train.steps=7", "optim.lr=0.1", "sweep.name=s"])
+    assert set(long) == set(short) == {(v, s) for v in ("block", "baseline") for s in (0, 1)}
+    assert not set(long.values()) & set(short.values()) and len(set(long.values())) == 4
+    with pytest.raises(adaptive.AdaptiveInputError, match="blok"):
+        adaptive.resolve_keys(adaptive.Plan((("blok", "baseline"),), start=2, max_seeds=2), ["model=tiny"])
+
+
+@pytest.mark.parametrize("args", [
+    ["--first-seed", "-3"], ["--budget-minutes", "0"], ["--budget-minutes", "-1"],
+    ["--budget-runs", "0"], ["--", "residual=full"], ["--", "train.seed=3"],
+])
+def test_adaptive_arguments_are_checked_before_anything_trains(tmp_path, capsys, monkeypatch, args):
+    from analysis import adaptive
+
+    def never(*a, **k):
+        raise AssertionError("nothing may resolve or train on bad arguments")
+
+    monkeypatch.setattr(adaptive, "resolve_keys", never)
+    monkeypatch.setattr(adaptive, "_launch", never)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    assert adaptive.main(["--compare", "block:baseline", "--tracking-uri", uri, *args]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "m.db").exists()
+
+
+def test_an_unknown_variant_is_refused_before_the_baseline_trains(tmp_path, capsys, monkeypatch):
+    from analysis import adaptive
+
+    monkeypatch.setattr(adaptive, "_launch", lambda *a, **k: pytest.fail("trained"))
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    assert adaptive.main(["--compare", "blok:baseline", "--tracking-uri", uri, "--", "model=tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "blok" in err[0]
+    assert not (tmp_path / "m.db").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    from analysis import adaptive
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(adaptive, "resolve_keys", lambda plan, overrides: {})
+    monkeypatch.setattr(adaptive, "run", interrupted)
+    assert adaptive.main(["--compare", "block:baseline", "--tracking-uri",
+                          f"sqlite:///{tmp_path / 'm.db'}"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+
+
+def test_ctrl_c_stops_the_training_processes(monkeypatch):
+    """The children `_launch` started are terminated before the interrupt goes on."""
+    import subprocess
+    import sys as _sys
+
+    from analysis import adaptive
+
+    started = []
+
+    class Child(subprocess.Popen):  # a "training" that runs for a minute; Ctrl-C while waiting
+        def communicate(self, input=None, timeout=None):
+            raise KeyboardInterrupt
+
+    def popen(cmd, **kw):
+        started.append(Child([_sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[-1]
+
+    monkeypatch.setattr(adaptive.subprocess, "Popen", popen)
+    with pytest.raises(KeyboardInterrupt):
+        adaptive._launch({0: ["baseline", "block"]}, [], 2, __import__("io").StringIO())
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
+
+
+def test_runs_without_a_known_token_count_are_kept_by_their_key():
+    """Keyed runs that logged no tokens (killed before the first log, older harnesses) are told
+    apart by their run key alone."""
+    from analysis.runs import _tidy, latest_per_config
+
+    rows = [{**r, "tokens": None, "start_time": i} for i, r in enumerate(_rows(("baseline",), seeds=(0, 1)))]
+    kept, dropped = latest_per_config(_tidy(rows))
+    assert len(kept) == 2 and dropped.empty
