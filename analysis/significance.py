@@ -327,6 +327,17 @@ def mde(sigma: float, n: int, paired: bool, level: float = LEVEL, power: float =
     return float(d) * sigma
 
 
+def paired_power(sd_diff: float, n: int, delta: float, level: float = LEVEL) -> float:
+    """Power of a two-sided paired t test at ``level`` over n same-seed differences of scatter
+    ``sd_diff`` to detect a true difference ``delta`` (statsmodels); NaN when undefined."""
+    from statsmodels.stats.power import TTestPower
+
+    if not (np.isfinite(sd_diff) and np.isfinite(delta)) or sd_diff <= 0 or n < 2 or delta == 0:
+        return np.nan
+    return float(TTestPower().power(effect_size=abs(delta) / sd_diff, nobs=n, alpha=1 - level,
+                                    alternative="two-sided"))
+
+
 def seeds_for_half_width(sd_diff: float, half: float, level: float = LEVEL, most: int = 10_000) -> float:
     """Seeds (pairs) whose paired t interval at ``level`` has half-width ≤ ``half`` when same-seed
     differences scatter with ``sd_diff``: the smallest n ≥ 2 with t(n − 1)·sd_diff/√n ≤ half (the

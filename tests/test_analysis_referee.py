@@ -192,3 +192,16 @@ def test_the_pilots_runs_are_reported_apart(tmp_path):
 def test_tost_shows_equivalence_only_inside_the_margin(d, se, equal):
     p, eq = tost(d, se, 20, 0.03)
     assert eq == equal and (p < 0.05) == equal
+
+
+def test_the_ablation_claims_give_the_power_for_the_papers_delta(tmp_path):
+    """The power printed beside Full's and Block's verdicts is that of the paired test for the
+    paper's Δ at our σ of same-seed differences: it crosses 80% exactly at the seeds a paired
+    test needs (statsmodels, float64)."""
+    from analysis.significance import paired_power, seeds_needed_paired
+
+    n = int(seeds_needed_paired(0.056, 0.029))
+    assert paired_power(0.056, n, 0.029) >= 0.8 > paired_power(0.056, n - 1, 0.029)
+    section = sec.ablation_section(_ablation(), PAPER, tmp_path)
+    full = next(c for c in section.claims if c.claim.startswith("Full AttnRes beats"))
+    assert "power for the paper's Δ" in full.ours

@@ -10,8 +10,9 @@ from scipy import stats
 
 from .. import ablation as abl
 from .. import markup
-from ..significance import (DIVERGING_Z, MIN_OWN_PAIRS, compare, pooled_diff_sd, pooled_seed_sd,
-                            same_seed_diffs, seeds_needed, seeds_needed_paired, steady)
+from ..significance import (DIVERGING_Z, MIN_OWN_PAIRS, compare, paired_power, pooled_diff_sd,
+                            pooled_seed_sd, same_seed_diffs, seeds_needed, seeds_needed_paired,
+                            steady)
 from .. import noise
 from .. import figures
 from ..paper import Paper
@@ -79,9 +80,15 @@ def _delta_claims(runs, t, paper) -> list[Claim]:
             d, h = t.loc[v, "delta"], t.loc[v, "delta_ci"]
             pd_ = t.loc[v, "paper_delta"]
             paper_note = f" (paper Δ {pd_:+.3f})" if np.isfinite(pd_) else ""
+            # Power for the paper's Δ (never ours): whether the paired test could have found it.
+            g, base = runs[runs["variant"] == v], runs[runs["variant"] == "baseline"]
+            diffs = same_seed_diffs(g, base) if "seed" in runs else pd.Series(dtype=float)
+            power = paired_power(float(diffs.std(ddof=1)) if len(diffs) > 1 else np.nan,
+                                 len(diffs), pd_)
             claims.append(Claim(f"{name} beats the baseline{paper_note}",
                                 f"Δ = {_f(d)} ± {_f(h)} ({_design(t.loc[v])}; Welch "
-                                f"{_f(t.loc[v, 'welch_delta'])} ± {_f(t.loc[v, 'welch_ci'])})",
+                                f"{_f(t.loc[v, 'welch_delta'])} ± {_f(t.loc[v, 'welch_ci'])})"
+                                + (f"; power for the paper's Δ {power:.0%}" if np.isfinite(power) else ""),
                                 _verdict(d - h, d + h), t.loc[v, "p"]))
     if {"full", "block"} <= set(t.index):
         fr, br = runs[runs["variant"] == "full"], runs[runs["variant"] == "block"]
