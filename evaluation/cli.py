@@ -43,21 +43,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Refused(Exception):
+    """One line on stderr and this exit status (2: bad input, nothing evaluated; 1: a failure)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    try:
+        _check_arguments(args, tasks)
+        source, data_cfg, seq_len, tokenizer = _open(args, tasks)
+        batch_size, max_batches = _heldout_batches(args, source)
+        metrics, artifacts = _evaluate(args, tasks, source, data_cfg, seq_len, tokenizer, batch_size, max_batches)
+        _report(args, source, metrics, artifacts)
+    except _Refused as refused:
+        return _fail(str(refused), refused.code)
+    return 0
+
+
+def _check_arguments(args: argparse.Namespace, tasks: list[str]) -> None:
+    """Bad arguments refused before anything loads."""
     if args.skip_heldout and not args.probe and not tasks:
-        return _fail("nothing to evaluate: --skip-heldout without --probe or --tasks", 2)
-    if args.device:
-        problem = device_problem(args.device)
-        if problem:
-            return _fail(f"--device {args.device}: {problem}", 2)
-    if args.output:
-        # Checked now: found only after the evaluation (lm-eval tasks can take hours), it lost
-        # every result, and the MLflow logging after it, to a traceback.
-        problem = output_problem(Path(args.output))
-        if problem:
-            return _fail(f"--output {args.output}: {problem}", 2)
+        raise _Refused("nothing to evaluate: --skip-heldout without --probe or --tasks", 2)
+    problem = device_problem(args.device) if args.device else None
+    if problem:
+        raise _Refused(f"--device {args.device}: {problem}", 2)
+    # Checked now: found only after the evaluation (lm-eval tasks can take hours), it lost every
+    # result, and the MLflow logging after it, to a traceback.
+    problem = output_problem(Path(args.output)) if args.output else None
+    if problem:
+        raise _Refused(f"--output {args.output}: {problem}", 2)
+
+
+def _open(args: argparse.Namespace, tasks: list[str]):
+    """(the model's source, its data settings, the held-out window, its tokenizer or None)."""
     try:
         from attnres.io import CheckpointError
 
@@ -70,26 +93,36 @@ def main(argv: Optional[list[str]] = None) -> int:
             tokenizer = tokenizer_for(source.model.config.vocab_size, args.tokenizer)
         except TokenizerError as e:
             if args.tokenizer:  # asked for by name: the user's choice does not fit, not a detail to skip
-                return _fail(f"--tokenizer {args.tokenizer}: {e}", 2)
+                raise _Refused(f"--tokenizer {args.tokenizer}: {e}", 2) from None
             if tasks:
                 raise
             # Held-out loss needs no tokenizer; only bits per byte does.
             print(f"evaluation: no bits per byte: {e}", file=sys.stderr)
             tokenizer = None
+    except _Refused:
+        raise
     except (CheckpointError, TokenizerError, ValueError) as e:
-        return _fail(str(e), 2)
+        raise _Refused(str(e), 2) from None
     except Exception as e:  # an unreachable tracking server, a corrupt download, …
-        return _fail(f"{args.source}: {_one_line(e)}", 2)
+        raise _Refused(f"{args.source}: {_one_line(e)}", 2) from None
+    return source, data_cfg, seq_len, tokenizer
 
-    batch_size, max_batches = args.batch_size, args.max_batches
-    if args.as_training:
-        train = source.config.get("train") if isinstance(source.config.get("train"), dict) else {}
-        # micro_batch_size null means batch_size, as training reads it (harness/train.py)
-        batch_size = train.get("micro_batch_size") or train.get("batch_size")
-        max_batches = train.get("eval_batches")
-        if not batch_size or not max_batches:
-            return _fail(f"--as-training: {args.source} records no train.batch_size / train.eval_batches", 2)
 
+def _heldout_batches(args: argparse.Namespace, source) -> tuple[int, Optional[int]]:
+    """(batch size, batches) of the held-out loss: the options', or training's (--as-training)."""
+    if not args.as_training:
+        return args.batch_size, args.max_batches
+    train = source.config.get("train") if isinstance(source.config.get("train"), dict) else {}
+    # micro_batch_size null means batch_size, as training reads it (harness/train.py)
+    batch_size = train.get("micro_batch_size") or train.get("batch_size")
+    max_batches = train.get("eval_batches")
+    if not batch_size or not max_batches:
+        raise _Refused(f"--as-training: {args.source} records no train.batch_size / train.eval_batches", 2)
+    return batch_size, max_batches
+
+
+def _evaluate(args, tasks, source, data_cfg, seq_len, tokenizer, batch_size, max_batches):
+    """(metrics, artifacts) of the held-out loss, the probe and the lm-eval tasks asked for."""
     metrics: dict[str, float] = {}
     artifacts: dict[str, dict] = {}
     try:
@@ -101,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             try:
                 data = load_data(data_cfg, seq_len)
             except DataError as e:
-                return _fail(str(e), 2)
+                raise _Refused(str(e), 2) from None
             found = heldout_metrics(source.model, data.val, seq_len, tokenizer, batch_size, max_batches)
             metrics.update({f"heldout/{k}": v for k, v in found.items()})
             artifacts["heldout"] = {**found, "seq_len": seq_len, "batch_size": batch_size,
@@ -113,22 +146,33 @@ def main(argv: Optional[list[str]] = None) -> int:
             metrics.update({f"multihop/{k}": v for k, v in found.items()})
             artifacts["probe"] = found
         if tasks:
-            try:
-                from .harness_tasks import flatten_metrics, run_tasks
-            except ImportError as e:
-                return _fail(f"--tasks needs lm-evaluation-harness ({e}); pip install 'lm-eval==0.4.13'", 2)
-            results = run_tasks(
-                source.model, source.config, tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-                include_path=args.include_path, batch_size=args.batch_size, seed=args.seed, tokenizer=tokenizer,
-                bootstrap_iters=args.bootstrap_iters,
-            )
-            metrics.update(flatten_metrics(results))
-            artifacts["lm_eval"] = results
-    except ValueError as e:  # unknown task, a probe that does not fit the model, …
-        return _fail(str(e), 2)
-    except Exception as e:
-        return _fail(_one_line(e), 1)
+            artifacts["lm_eval"] = _lm_eval(args, tasks, source, tokenizer)
+            from .harness_tasks import flatten_metrics
 
+            metrics.update(flatten_metrics(artifacts["lm_eval"]))
+    except _Refused:
+        raise
+    except ValueError as e:  # unknown task, a probe that does not fit the model, …
+        raise _Refused(str(e), 2) from None
+    except Exception as e:
+        raise _Refused(_one_line(e), 1) from None
+    return metrics, artifacts
+
+
+def _lm_eval(args, tasks, source, tokenizer) -> dict:
+    try:
+        from .harness_tasks import run_tasks
+    except ImportError as e:
+        raise _Refused(f"--tasks needs lm-evaluation-harness ({e}); pip install 'lm-eval==0.4.13'", 2) from None
+    return run_tasks(
+        source.model, source.config, tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+        include_path=args.include_path, batch_size=args.batch_size, seed=args.seed, tokenizer=tokenizer,
+        bootstrap_iters=args.bootstrap_iters,
+    )
+
+
+def _report(args: argparse.Namespace, source, metrics: dict[str, float], artifacts: dict[str, dict]) -> None:
+    """Print the metrics, write --output, log into the run."""
     for key, value in sorted(metrics.items()):
         print(f"eval/{key} {value:.6g}")
     if args.output:
@@ -140,16 +184,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             # A full disk mid-write must not leave a truncated JSON file that reads as a result.
             atomic_write(out, lambda tmp: tmp.write_text(text))
         except OSError as e:
-            return _fail(f"--output {out}: cannot write ({e.strerror or e})", 1)
+            raise _Refused(f"--output {out}: cannot write ({e.strerror or e})", 1) from None
     if source.run_id and not args.no_log:
-        from .tracking import log_to_run
+        from .mlflow_results import log_to_run
 
         try:
             log_to_run(source.run_id, source.tracking_uri, metrics, artifacts)
         except Exception as e:
-            return _fail(f"could not log to run {source.run_id}: {_one_line(e)}", 1)
+            raise _Refused(f"could not log to run {source.run_id}: {_one_line(e)}", 1) from None
         print(f"logged {len(metrics)} metrics and eval/{{{','.join(artifacts)}}}.json to run {source.run_id}")
-    return 0
 
 
 def _positive(text: str) -> int:
