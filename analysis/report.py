@@ -7,6 +7,7 @@ non-zero after writing everything else. Output is deterministic for a given inpu
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -363,4 +364,23 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
     for i, s in enumerate(sections, 1):
         parts += [f"## {i}. {s.title}\n", s.text]
     (out / "REPORT.md").write_text("\n".join(p.rstrip("\n") + "\n" for p in parts))
+    (out / "versions.json").write_text(json.dumps(versions(), indent=1, sort_keys=True) + "\n")
     return errors
+
+
+# The libraries whose numerics the tables depend on: a later release may move a fit in its
+# sixth digit, so the versions a report was made with are written beside it.
+LIBRARIES = ("numpy", "scipy", "pandas", "statsmodels", "matplotlib")
+
+
+def versions() -> dict[str, str]:
+    """Python's and each of LIBRARIES' version, as installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {"python": sys.version.split()[0], **{n: installed(n) for n in LIBRARIES}}
