@@ -8,6 +8,22 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
+def is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def positive_int(name: str, value, meaning: str) -> int:
+    """value, or one ValueError naming it when it is not a positive integer (a bool is not one)."""
+    if not is_positive_int(value):
+        raise ValueError(f"{name}={value!r} must be a positive integer ({meaning})")
+    return value
+
+
+def divisors(n: int, most: Optional[int] = None) -> str:
+    """The divisors of n (at most `most`), for an error's list of what is allowed."""
+    return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0 and (most is None or k <= most))
+
+
 # Thirteen variant names: the twelve rows of the paper's ablation (Table 4) plus Hyper-Connections
 # (`hc`), an extra peer the paper's table does not have. They are the values of `residual.name` and
 # the file names of conf/residual/ (which also holds block_n8: Block with about 8 blocks).

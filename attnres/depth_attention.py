@@ -6,10 +6,11 @@ Keys are RMS-normalised, values are mixed raw; no 1/sqrt(d), no temperature. Bec
 RMSNorm(v)·w = (g ∘ w)·v / rms(v), a reader's key-norm gain g folds into its query, and 1/rms(v)
 belongs to the source alone (shared by all its readers).
 
-`depth_read` is the one entry point: the fused kernels where `attnres.kernels.path` says they
-serve these tensors, else the formula written out in it (any derivative order). Its `state`
-argument and `read_chunk` are the two phases of the two-phase schedule (docs/MATH.md): several
-static readers over the same sources at once, then each reader's read continued with more sources.
+Two levels: `read` is the op, R readers over the same sources on the kernel set the caller's plan
+names (`attnres.kernels.plan`), the fused kernels or the formula written out here (any derivative
+order); `depth_read` is the public form of one read, which decides the kernel set itself. A
+read's `state` continues a running read with more sources: phase two of the two-phase schedule
+(docs/MATH.md), whose phase one is a `read` of several static readers at once.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .config import divisors, positive_int
 from .kernels import fused_read
 
 NORMALISERS = ("softmax", "sigmoid")
@@ -41,27 +43,61 @@ def logits(scores: torch.Tensor, normaliser: str) -> torch.Tensor:
     """What the softmax over sources takes. "sigmoid" is renormalised, σ(s_i)/Σ_j σ(s_j) =
     softmax_i(log σ(s_i)): weights stay a convex combination, zero queries still give the plain
     mean, so that ablation changes the nonlinearity alone."""
-    if normaliser == "softmax":
-        return scores
-    if normaliser == "sigmoid":
-        return F.logsigmoid(scores)
-    raise ValueError(f"normaliser={normaliser!r} is not known; allowed: {', '.join(NORMALISERS)}")
+    return scores if normaliser == "softmax" else F.logsigmoid(scores)
 
 
-def _fused(query, sources) -> bool:
-    return kernels.path(*sources, query) != "torch"
-
-
-def _flat(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """(N, d) rows, contiguous, of one type (under autocast the embedding is fp32 and the
-    sublayers' outputs half: the kernels read the sublayers' type)."""
-    dtype = sources[-1].dtype
-    return [s.reshape(-1, s.shape[-1]).to(dtype).contiguous() for s in sources]
-
-
-def _result_type(sources: Sequence[torch.Tensor]) -> torch.dtype:
+def result_type(sources: Sequence[torch.Tensor]) -> torch.dtype:
     """The type of a read's output: the sources' common type, as the reference's stack promotes them."""
     return functools.reduce(torch.promote_types, (s.dtype for s in sources))
+
+
+def read(queries: torch.Tensor, sources: Sequence[torch.Tensor], state=None, *, kernel: str, per_token: bool = False,
+         key_norm: bool = True, eps: float = 1e-6, normaliser: str = "softmax", heads: int = 1,
+         out_dtype: Optional[torch.dtype] = None, with_lse: bool = False, with_weights: bool = False):
+    """R readers over `sources` (each (..., d)): queries (R, d) static, key-norm gains folded in, or
+    (..., d) per token (R = 1). state: (out (..., d), lse (..., H)), one reader's running read to
+    continue. Returns the R outputs (..., d) in out_dtype (None: the sources' common type), their
+    log-sum-exps (..., H) if with_lse, their weights (..., H, n) if with_weights (reference only)."""
+    lead, d = sources[0].shape[:-1], sources[0].shape[-1]
+    dtype = out_dtype or result_type([*sources, *(state[:1] if state is not None else [])])
+    if kernel == "torch":
+        return _reference(queries, sources, state, per_token, key_norm, eps, normaliser, heads, dtype, with_lse,
+                          with_weights)
+    # one type: the sublayers' (under autocast the embedding is fp32), widened to fp32 for the C kernels
+    kind = acc_dtype(sources[-1].dtype) if kernel == "c" else sources[-1].dtype
+    flat = [s.reshape(-1, d).to(kind).contiguous() for s in sources]
+    q = queries.reshape(-1, d).contiguous()
+    init_out, init_lse = (None, None) if state is None else (state[0].reshape(-1, d).contiguous(),
+                                                             state[1].reshape(1, -1, heads).contiguous())
+    cfg = (heads, normaliser == "sigmoid", key_norm, eps, per_token, dtype)
+    if torch.compiler.is_compiling():
+        out, lse, _ = fused_read.depth_read_op(flat, q, init_out, init_lse, *cfg, kernel)
+        outs = out.unbind(0)
+    else:
+        *outs, lse = fused_read.Read.apply(q, init_out, init_lse, (kernel, *cfg), *flat)
+    return ([o.view(*lead, d) for o in outs], [s.view(*lead, heads) for s in lse.unbind(0)] if with_lse else None,
+            None)
+
+
+def _reference(queries, sources, state, per_token, key_norm, eps, normaliser, heads, dtype, with_lse, with_weights):
+    """`read` written out in torch: stack the sources, normalise the keys, one softmax per reader."""
+    d = sources[0].shape[-1]
+    V = torch.stack(list(sources), dim=-2)  # (..., n, d)
+    K = V * inv_rms(V, eps) if key_norm else V
+    if state is not None:  # the running read is one more source, whose logit is its log-sum-exp
+        V = torch.cat([state[0].unsqueeze(-2), V.to(dtype)], -2)
+    outs, lses, weights = [], [], []
+    for q in [queries] if per_token else queries:
+        t = logits((K * q.unsqueeze(-2)).unflatten(-1, (heads, d // heads)).sum(-1), normaliser)  # (..., n, H)
+        if state is not None:
+            t = torch.cat([state[1].unsqueeze(-2).to(t.dtype), t], -2)
+        alpha = torch.softmax(t, dim=-2)
+        outs.append((alpha.unsqueeze(-1) * V.unflatten(-1, (heads, d // heads))).sum(-3).flatten(-2).to(dtype))
+        if with_lse:
+            lses.append(torch.logsumexp(t, dim=-2))
+        if with_weights:
+            weights.append(alpha.transpose(-1, -2)[..., 0 if state is None else 1 :])
+    return outs, (lses if with_lse else None), (weights if with_weights else None)
 
 
 def depth_read(
@@ -86,46 +122,15 @@ def depth_read(
     common type, then, if asked, the weights (..., heads, n) and the log-sum-exp.
     """
     d = sources[0].shape[-1]
-    if heads < 1 or d % heads:
-        raise ValueError(f"heads={heads} must be a positive divisor of d_model={d}")
-    logits(query.new_zeros(()), normaliser)  # an unknown normaliser fails here, on every path
+    if positive_int("heads", heads, "channel groups with their own softmax over depth") and d % heads:
+        raise ValueError(f"heads={heads} must divide d_model={d}; allowed: {divisors(d, most=64)}")
+    if normaliser not in NORMALISERS:
+        raise ValueError(f"normaliser={normaliser!r} is not known; allowed: {', '.join(NORMALISERS)}")
     q = query * key_gain if key_gain is not None and key_norm else query
-    dtype = _result_type([*sources, *(state[:1] if state is not None else [])])
-    if not return_weights and _fused(q, sources):
-        lead = sources[0].shape[:-1]
-        per_token = q.dim() > 1
-        init = None if state is None else (state[0].reshape(-1, d).contiguous(), state[1].reshape(1, -1, heads).contiguous())
-        outs, lse = fused_read.read(_flat(sources), q.reshape(-1 if per_token else 1, d).contiguous(), init, heads=heads,
-                                    sigmoid=normaliser == "sigmoid", key_norm=key_norm, eps=eps, per_token=per_token,
-                                    out_dtype=dtype)
-        h = outs[0].view(*lead, d)
-        return (h, lse[0].view(*lead, heads)) if return_state else h
-    V = torch.stack(list(sources), dim=-2)  # (..., n, d)
-    K = V * inv_rms(V, eps) if key_norm else V
-    t = logits((K * q.unsqueeze(-2)).unflatten(-1, (heads, d // heads)).sum(-1), normaliser)  # (..., n, H)
-    if state is not None:  # the running read is one more source, whose logit is its log-sum-exp
-        t = torch.cat([state[1].unsqueeze(-2).to(t.dtype), t], -2)
-        V = torch.cat([state[0].unsqueeze(-2), V.to(dtype)], -2)
-    alpha = torch.softmax(t, dim=-2)
-    h = (alpha.unsqueeze(-1) * V.unflatten(-1, (heads, d // heads))).sum(-3).flatten(-2).to(dtype)
-    out = [h]
-    if return_weights:
-        out.append(alpha.transpose(-1, -2)[..., 0 if state is None else 1 :])
-    if return_state:
-        out.append(torch.logsumexp(t, dim=-2))
-    return tuple(out) if len(out) > 1 else h
-
-
-def read_chunk(queries: torch.Tensor, sources: Sequence[torch.Tensor], *, key_norm=True, eps=1e-6,
-               normaliser="softmax", heads=1):
-    """Phase one of the two-phase schedule: R static readers (queries (R, d), gains folded in) over
-    the same sources at once. Returns each reader's output (R tensors (..., d), in the
-    accumulation type) and log-sum-exp (R tensors (..., H)): the `state` its later reads continue."""
-    lead, d = sources[0].shape[:-1], sources[0].shape[-1]
-    opts = dict(key_norm=key_norm, eps=eps, normaliser=normaliser, heads=heads)
-    if _fused(queries, sources):
-        outs, lse = fused_read.read(_flat(sources), queries.contiguous(), heads=heads, sigmoid=normaliser == "sigmoid",
-                                    key_norm=key_norm, eps=eps, out_dtype=acc_dtype(sources[-1].dtype))
-        return [o.view(*lead, d) for o in outs], [s.view(*lead, heads) for s in lse.unbind(0)]
-    reads = [depth_read(q, sources, return_state=True, **opts) for q in queries]
-    return [h for h, _ in reads], [lse for _, lse in reads]
+    per_token = q.dim() > 1
+    kernel = "torch" if return_weights else kernels.path(*sources, q)
+    outs, lse, weights = read(q if per_token else q.reshape(1, -1), sources, state, kernel=kernel, per_token=per_token,
+                              key_norm=key_norm, eps=eps, normaliser=normaliser, heads=heads, with_lse=return_state,
+                              with_weights=return_weights)
+    out = [outs[0], *(weights if return_weights else []), *(lse if return_state else [])]
+    return tuple(out) if len(out) > 1 else out[0]

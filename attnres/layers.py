@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .config import ModelConfig
+from .config import ModelConfig, positive_int
 from .kernels import rms_norm
 
 _ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -115,9 +115,8 @@ class KVCache:
     """
 
     def __init__(self, layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int):
-        for name, value in (("batch", batch), ("max_len", max_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv_cache {name}={value!r} must be a positive integer")
+        positive_int("kv_cache batch", batch, "sequences the cache holds")
+        positive_int("kv_cache max_len", max_len, "positions the cache holds")
         self.batch, self.max_len, self.length = batch, max_len, 0
         self.shape = (batch, n_kv_heads, max_len, head_dim)
         self.keys: list[Optional[torch.Tensor]] = [None] * layers

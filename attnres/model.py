@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig, ResidualConfig
+from .config import ModelConfig, ResidualConfig, positive_int
 from .instrumentation import DepthRecorder
 from .layers import KVCache, RMSNorm, Sublayer
 from .residuals import build_residual
@@ -82,12 +82,12 @@ class DecoderLM(nn.Module):
         prefill of the prompt, then one cached forward per token. temperature 0 is greedy; top_k
         keeps the k likeliest tokens; `generator` makes the sampling repeatable. Prompt and new
         tokens together must fit max_seq_len, the positions the model was built for."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
+        if max_new_tokens != 0:
+            positive_int("max_new_tokens", max_new_tokens, "tokens to sample; 0 returns the prompt")
         if not 0 <= float(temperature) < float("inf"):
             raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k={top_k!r} must be a positive integer or None")
+        if top_k is not None:
+            positive_int("top_k", top_k, "the likeliest tokens to sample from; None: all")
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be token ids of shape (batch, T >= 1), got shape {tuple(idx.shape)}")
         total = idx.shape[1] + max_new_tokens

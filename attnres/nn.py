@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .residuals import BlockAttentionResidual, FullAttentionResidual
+from .residuals.attention_residual import block_size_for
 
 RESIDUALS = ("standard", "block_attention", "full_attention")
 
@@ -60,12 +61,8 @@ class TransformerEncoder(nn.TransformerEncoder):
         if residual == "full_attention":
             self.attn_residual = FullAttentionResidual(d_model, sublayers, eps=eps)
         else:
-            if attn_residual_num_blocks < 1 or sublayers % attn_residual_num_blocks:
-                allowed = [n for n in range(1, sublayers + 1) if sublayers % n == 0]
-                raise ValueError(
-                    f"attn_residual_num_blocks={attn_residual_num_blocks} must divide the {sublayers} sublayers "
-                    f"(2 × num_layers={num_layers}); allowed: {', '.join(map(str, allowed))}"
-                )
+            block_size_for(attn_residual_num_blocks, sublayers, "attn_residual_num_blocks",  # the error in this door's terms
+                           f"the {sublayers} sublayers (2 × num_layers={num_layers})")
             self.attn_residual = BlockAttentionResidual(d_model, sublayers, attn_residual_num_blocks, eps=eps)
         # Match the layers' device and dtype (a layer built with device=/dtype= factory kwargs).
         ref = encoder_layer.linear1.weight

@@ -76,7 +76,7 @@ def test_cpu_backend_refuses_what_it_cannot_read():
     finally:
         kernels.set_backend(None)
     with pytest.raises(ValueError, match="contiguous fp32 CPU tensors"):
-        cpu_read.read_forward([torch.zeros(8, 4).t()], [], torch.zeros(1, 8), None, None, 1, False, False, True, 1e-6)
+        cpu_read.forward([torch.zeros(8, 4).t()], torch.zeros(1, 8), None, None, 1, False, False, True, 1e-6)
 
 
 def test_build_is_cached_per_machine(tmp_path):
@@ -147,7 +147,7 @@ def _read(srcs, q, init=None, grad=None, heads=1, sigmoid=False, key_norm=True, 
     of one reader and one head to the tiled path instead of the one-reader lanes."""
     rhos = cpu_read.inv_rms(srcs, 1e-6) if key_norm and (tiles or not cpu_read.one_reader(q.shape[0], heads, len(srcs))) else []
     o0, lse0 = init if init is not None else (None, None)
-    outs, lse = cpu_read.read_forward(srcs, rhos, q, o0, lse0, heads, sigmoid, per_token, key_norm, 1e-6)
+    outs, lse, _ = cpu_read.forward(srcs, q, o0, lse0, heads, sigmoid, per_token, key_norm, 1e-6, rhos=rhos)
     grads = [grad] if grad is not None else [torch.ones_like(o) for o in outs]
     back = cpu_read.read_backward(srcs, rhos, q, outs if init is not None else None, lse0, lse, grads, None, heads,
                                   sigmoid, per_token, key_norm, 1e-6)
@@ -176,8 +176,8 @@ def test_threads_split_tokens_without_changing_the_result(threads, R):
 def test_the_default_cpu_model_runs_the_c_kernels(monkeypatch):
     """The fused path is the default on CPU: a Block model's reads go through the C kernels."""
     calls = []
-    original = cpu_read.read_forward
-    monkeypatch.setattr(cpu_read, "read_forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = cpu_read.forward
+    monkeypatch.setattr(cpu_read, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
     kernels.set_backend(None)
     m = DecoderLM(ModelConfig(d_model=16, layers=2, n_heads=2, max_seq_len=8), ResidualConfig(name="block", block_size=2))
     m(torch.randint(0, 256, (2, 8)))
@@ -193,8 +193,8 @@ def test_auto_routes_compiled_cpu_reads_to_the_reference(monkeypatch):
     single = build_residual(ResidualConfig(name="block", block_size=2), 16, 4)
     kernels.set_backend(None)
     seen = []
-    original = cpu_read.read_forward
-    monkeypatch.setattr(cpu_read, "read_forward", lambda *a, **k: seen.append(1) or original(*a, **k))
+    original = cpu_read.forward
+    monkeypatch.setattr(cpu_read, "forward", lambda *a, **k: seen.append(1) or original(*a, **k))
     torch._dynamo.reset()
     compiled = torch.compile(single, backend="aot_eager", fullgraph=True)
     compiled(torch.randn(2, 3, 16), [torch.tanh] * 4)
@@ -219,7 +219,7 @@ def test_split_reads_run_on_torchs_own_openmp_runtime(threads):
     libgomp mapped, not a second runtime with threads of its own."""
     if not sys.platform.startswith("linux"):
         return
-    assert native.uses_openmp() == (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
+    assert bool(native.library().attnres_openmp()) == (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
     threads(2)
     _read([torch.randn(1024, 32) for _ in range(3)], torch.randn(2, 32))
     with open("/proc/self/maps") as maps:
@@ -275,18 +275,14 @@ def _one_reader_matches_the_reference(us, q, init, grad, key_norm, sigmoid):
     """The fused read of one reader (fp32, the C kernel's lanes) against float64: the output and the
     gradient of every input (sources, query, a merge's running read) to 1e-5 relative to each
     tensor's largest entry."""
-    from attnres.kernels import fused_read
+    from attnres.depth_attention import read
 
     n, merge, per_token = len(us), bool(init), q.dim() == 2
     inputs = [x.clone().requires_grad_() for x in (*us, q, *init)]
     assert cpu_read.one_reader(1, 1, n)
     qk = inputs[n] if per_token else inputs[n][None]
-    kernels.set_backend("cpu")
-    try:
-        outs, _ = fused_read.read(inputs[:n], qk, (inputs[n + 1], inputs[n + 2].view(1, -1, 1)) if merge else None,
-                                  key_norm=key_norm, sigmoid=sigmoid, per_token=per_token)
-    finally:
-        kernels.set_backend(None)
+    outs, _, _ = read(qk, inputs[:n], (inputs[n + 1], inputs[n + 2].view(1, -1, 1)) if merge else None, kernel="c",
+                      key_norm=key_norm, normaliser="sigmoid" if sigmoid else "softmax", per_token=per_token)
     got_grads = torch.autograd.grad(outs[0], inputs, grad)
     exact = [x.detach().double().requires_grad_() for x in inputs]
     want = _one_reader_reference(exact[:n], exact[n], *(exact[n + 1 :] if merge else [None, None]), key_norm, sigmoid)
@@ -365,13 +361,14 @@ def test_the_schedule_is_two_phase_on_the_c_path_and_can_be_forced():
     """Static-query Block and Full read in two phases where the C kernels serve; a window never
     does; the reference reads one sublayer at a time; set_schedule forces either."""
     x, q = torch.zeros(2, 3, 8), torch.zeros(8)
+    two_phase = lambda sources, *t, **k: kernels.plan(sources, *t, **k).two_phase  # noqa: E731
     try:
-        assert kernels.two_phase("block", x, q) and kernels.two_phase("full", x, q)
-        assert not kernels.two_phase("window", x, q)
-        assert not kernels.two_phase("block", x.double(), q.double())
+        assert kernels.plan("block", x, q) == ("c", True) and two_phase("full", x, q)
+        assert not two_phase(None, x, q) and not two_phase("full", x, q, weights=True)
+        assert kernels.plan("block", x.double(), q.double()) == ("torch", False)
         kernels.set_schedule("per_read")
-        assert not kernels.two_phase("full", x, q)
+        assert not two_phase("full", x, q)
         kernels.set_schedule("two_phase")
-        assert kernels.two_phase("full", x.double(), q.double()) and not kernels.two_phase("window", x, q)
+        assert two_phase("full", x.double(), q.double()) and not two_phase(None, x, q)
     finally:
         kernels.set_schedule(None)

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attnres import DecoderLM, ModelConfig, ResidualConfig, build_residual, depth_read, kernels  # noqa: E402
-from attnres.depth_attention import read_chunk  # noqa: E402
+from attnres.depth_attention import read  # noqa: E402
 from attnres.residuals.attention_residual import FULL_CHUNK  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
@@ -325,7 +325,7 @@ def test_kernel_low_precision_inputs_accumulate_in_fp32(path, dtype):
 @pytest.mark.parametrize("normaliser", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("heads", [1, 2])
 def test_phase_one_and_merge_equal_one_read(path, backend, normaliser, heads):
-    """The two phases at the op level: R queries read the early sources at once (read_chunk), and
+    """The two phases at the op level: R queries read the early sources at once (phase one), and
     continuing each reader's read with the late sources (depth_read's state) equals one read of all,
     outputs and gradients, on the fused path and on the reference."""
     d, N, R = 16, 11, 3
@@ -333,7 +333,7 @@ def test_phase_one_and_merge_equal_one_read(path, backend, normaliser, heads):
     Q = torch.randn(R, d, generator=torch.Generator().manual_seed(7), requires_grad=True)
     kw = dict(normaliser=normaliser, heads=heads)
     path(backend)
-    outs, lse = read_chunk(Q, early, **kw)
+    outs, lse, _ = read(Q, early, kernel=kernels.path(*early, Q), with_lse=True, **kw)
     merged = torch.stack([depth_read(Q[r], late, state=(outs[r], lse[r]), **kw) for r in range(R)])
     path("torch")
     for r in range(R):
@@ -527,20 +527,15 @@ def test_fused_full_over_several_chunks_matches_torch_path(path, backend, varian
 @pytest.mark.parametrize("variant", ["block", "full"])
 def test_fused_path_with_autocast_style_mixed_types(path, backend, variant):
     """fp32 embedding, bf16 sublayer outputs (what autocast produces): the Triton kernels read the
-    sources in bf16; the C kernels take fp32 only, so on CPU auto leaves reads of mixed types to the
-    reference (and a forced "cpu" refuses them in one line); both agree with the PyTorch path to
-    bf16 precision."""
+    sources in bf16; the C kernels, which the plan chose from the fp32 embedding, read them widened
+    to fp32 (exactly); both agree with the PyTorch path to bf16 precision."""
     x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0))
     subs, _ = _sublayers(L)
     subs = [lambda h, f=f: f(h).to(torch.bfloat16) for f in subs]
     res = _module(variant)
     path("torch", "per_read")
     want = res(x, subs)
-    if backend == "cpu":
-        path("cpu", "two_phase")
-        with pytest.raises(RuntimeError, match="ATTNRES_KERNEL=cpu"):
-            res(x, subs)
-    path(None if backend == "cpu" else backend, "two_phase")
+    path(backend, "two_phase")
     got = res(x, subs)
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

@@ -10,15 +10,16 @@
 serve the tensors is an error, not a fallback. Forced "triton" runs on CPU under
 `TRITON_INTERPRET=1`, which is how the tests run the GPU kernels without a GPU.
 
-Schedule of static-query Block and Full reads (`two_phase`): the paper's two-phase computation
-where it is the faster one, one read per sublayer elsewhere (`ATTNRES_SCHEDULE` or
-`set_schedule` forces either). Every path and schedule computes the same function.
+`plan` is what a residual asks once per forward: the kernel set for its reads and, for static-query
+Block and Full, the schedule: the paper's two-phase computation (docs/MATH.md) or one read per
+sublayer (`ATTNRES_SCHEDULE=auto|two_phase|per_read` or `set_schedule` forces one). Every kernel
+set and schedule computes the same function.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -97,18 +98,28 @@ def path(*tensors: torch.Tensor, traceable: bool = True) -> str:
     return "torch"
 
 
-def two_phase(sources: str, *tensors: torch.Tensor) -> bool:
-    """Whether a static-query AttentionResidual with these sources reads in two phases, for reads
-    of these tensors (the embedding and a query).
-    The defaults follow benchmarks/RESULTS.md: two phases on the C path, and for Full on CUDA; Block
-    on CUDA reads once per sublayer. The reference reads one sublayer at a time."""
-    if sources not in ("block", "full"):
-        return False
-    forced = _forced["schedule"] or _choice(os.environ.get("ATTNRES_SCHEDULE", "auto"), SCHEDULES, "ATTNRES_SCHEDULE")
+def schedule() -> str:
+    return _forced["schedule"] or _choice(os.environ.get("ATTNRES_SCHEDULE", "auto"), SCHEDULES, "ATTNRES_SCHEDULE")
+
+
+class Plan(NamedTuple):
+    kernel: str  # "triton", "c" or "torch", as `path` decides
+    two_phase: bool  # static-query Block/Full: the two-phase schedule instead of one read per sublayer
+
+
+def plan(sources: Optional[str], *tensors: torch.Tensor, traceable: bool = True, weights: bool = False) -> Plan:
+    """How a residual's reads run for one forward over these tensors (the embedding and a parameter).
+    `sources`: "block" or "full" for static-query Block and Full AttnRes (which have a schedule to
+    choose), else None; `weights`: the depth weights are wanted, which only the reference returns.
+    Two phases by default on the C kernels, and for Full on Triton: the faster schedule there."""
+    kernel = "torch" if weights else path(*tensors, traceable=traceable)
+    if sources not in ("block", "full") or weights:
+        return Plan(kernel, False)
+    forced = schedule()
     if forced != "auto":
-        return forced == "two_phase"
-    where = path(*tensors)
-    return where == "c" or (where == "triton" and sources == "full")
+        return Plan(kernel, forced == "two_phase")
+    return Plan(kernel, kernel == "c" or (kernel == "triton" and sources == "full"))
 
 
-__all__ = ["BACKENDS", "SCHEDULES", "backend", "path", "set_backend", "set_schedule", "triton_available", "two_phase"]
+__all__ = ["BACKENDS", "SCHEDULES", "Plan", "backend", "path", "plan", "schedule", "set_backend", "set_schedule",
+           "triton_available"]

@@ -1,10 +1,11 @@
-"""mHC's stream mixing on the C kernels (csrc/streams.c): the same function as the reference in
-residuals/hyper_connections.py, for fp32 CPU tensors in eager mode.
+"""mHC's steps on the C kernels (csrc/streams.c), for fp32 CPU tensors in eager mode: the same
+function as the torch steps of ManifoldHyperConnections.stream, whose loop calls them.
 
-The state is one (..., n, d) tensor. Each sublayer is one autograd step: the previous sublayer's
-update H = post·v + res·H_prev and this sublayer's mix of H (the projection as one matmul, then
-1/rms, gates, Sinkhorn and the pre-mix h per token in C). H then has a single consumer, so its
-gradient is written once, by one kernel, instead of being summed over autograd branches.
+The state is one (..., n, d) tensor. `UpdateThenMix` is one autograd step per sublayer: the
+previous sublayer's update H = post·v + res·H_prev and this sublayer's mix of H (the projection as
+one matmul, then 1/rms, gates, Sinkhorn and the pre-mix h per token in C); `Update` is the last
+sublayer's update alone. H then has a single consumer, so its gradient is written once, by one
+kernel, instead of being summed over autograd branches.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _update_backward(G, Hp, v, post, res):
     return grads
 
 
-class _UpdateThenMix(torch.autograd.Function):
+class UpdateThenMix(torch.autograd.Function):
     """H = post·v + res·H_prev (the previous sublayer's update; none before the first sublayer), then
     this sublayer's mix of H: returns (H, h, post', res')."""
 
@@ -94,7 +95,7 @@ class _UpdateThenMix(torch.autograd.Function):
         return (*_update_backward(G, Hp, v.contiguous(), post, res), dw, dgates, dbias, None, None)
 
 
-class _Update(torch.autograd.Function):
+class Update(torch.autograd.Function):
     """The last sublayer's update alone: H = post·v + res·H_prev."""
 
     @staticmethod
@@ -110,17 +111,3 @@ class _Update(torch.autograd.Function):
         if dH is None:
             return None, None, None, None
         return tuple(_update_backward(dH.contiguous(), *ctx.saved_tensors))
-
-
-def mhc_stream(mhc, x, sublayers):
-    """ManifoldHyperConnections.stream on the C kernels: the stream sum after the last sublayer."""
-    n, d, L = mhc.streams, mhc.d_model, mhc.num_layers
-    H = x.unsqueeze(-2).expand(*x.shape[:-1], n, d).contiguous()
-    v = post = res = None
-    for l, f in enumerate(sublayers):
-        folded = mhc.norms[l].weight.unsqueeze(-1) * mhc.phi[l]  # RMSNorm(vec H)·φ = rstd·(vec H @ (g ∘ φ))
-        H, h, post, res = _UpdateThenMix.apply(H, v, post, res, folded, mhc.gates[l], mhc.bias[l], mhc.sinkhorn_iters,
-                                               mhc.norms[l].eps)
-        v = f(h)
-        mhc.observe(h, v)
-    return _Update.apply(H, v, post, res).sum(-2)

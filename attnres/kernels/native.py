@@ -120,12 +120,6 @@ def why_unavailable() -> Optional[str]:
     return _state.get("why")
 
 
-def uses_openmp() -> bool:
-    """Whether the kernels split their tokens over OpenMP threads (else one range after another)."""
-    lib = library()
-    return lib is not None and bool(lib.attnres_openmp())
-
-
 def call(name: str, *args) -> None:
     """Call C function `name`; a non-zero status means its scratch could not be allocated."""
     lib = library()

@@ -490,12 +490,6 @@ _read_bwd_kernel = triton.autotune(
 )(_read_bwd_kernel)
 
 
-def retune() -> None:
-    """Forget the configurations chosen so far: the next read of each shape chooses again."""
-    for kernel in (_read_fwd_kernel, _read_bwd_kernel):
-        kernel.cache.clear()
-
-
 def chosen() -> list[dict]:
     """The configurations chosen so far, by kernel and autotuning key (for the benchmarks' output)."""
     return [dict(kernel=kernel.base_fn.__name__, key=[str(k) for k in key], BLOCK_T=config.kwargs["BLOCK_T"],
@@ -641,3 +635,27 @@ def inv_rms_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+
+
+def forward(sources, query, init_out, init_lse, heads, sigmoid, per_token, key_norm, eps, out_dtype):
+    """cpu_read.forward's contract on the Triton kernels: (R outputs (N, d), lse (R, N, H), 1/rms (n, N))."""
+    rhos = [inv_rms_forward(s, eps) for s in sources] if key_norm else []
+    out, lse = read_forward(sources, rhos, query, init_out[None] if init_out is not None else None, init_lse, heads, sigmoid,
+                            per_token, out_dtype)
+    rho = torch.stack(rhos) if rhos else query.new_empty(0, dtype=torch.float32)
+    return list(out.unbind(0)), lse, rho
+
+
+def backward(sources, rho, query, init_out, init_lse, outs, lse, grad_outs, grad_lse, heads, sigmoid, per_token, key_norm,
+             eps):
+    """cpu_read.backward's contract on the Triton kernels."""
+    rhos = list(rho.unbind(0)) if rho.numel() else []
+    merge = init_lse is not None
+    g = torch.stack([torch.zeros_like(o) if x is None else x for x, o in zip(grad_outs, outs)]).contiguous()
+    glse = grad_lse.contiguous() if grad_lse is not None else None
+    fold = bool(rhos) and heads == 1  # the kernel folds the key norm's gradient for one head only
+    dsrc, drho, dq, do0, dlse0 = read_backward(sources, rhos, query, init_out[None] if merge else None, init_lse, lse, g, glse,
+                                               heads, sigmoid, per_token, fold_rms=fold)
+    if drho is not None:  # ρ = (mean v² + ε)^(-1/2): ∂ρ/∂v = −ρ³ v / d
+        dsrc = dsrc + (-drho * rho.pow(3) / dsrc.shape[-1]).unsqueeze(-1).to(dsrc.dtype) * torch.stack(sources)
+    return list(dsrc.unbind(0)), dq.to(query.dtype), (do0[0] if merge else None), dlse0

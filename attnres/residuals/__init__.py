@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..config import VARIANTS, ResidualConfig
-from .attention_residual import AttentionResidual, BlockAttentionResidual, FullAttentionResidual
+from .attention_residual import AttentionResidual, BlockAttentionResidual, FullAttentionResidual, block_size_for
 from .base import Residual
 from .denseformer import DenseFormerResidual
 from .hyper_connections import HyperConnections, ManifoldHyperConnections, sinkhorn
@@ -23,21 +23,12 @@ _ATTNRES_KNOBS: dict[str, dict] = {
 
 
 def resolve_block_size(cfg: ResidualConfig, num_layers: int) -> int:
-    """S from `num_blocks` (must divide L) or `block_size` (1..L; the last block takes a remainder)."""
-    if cfg.num_blocks is not None:
-        if cfg.num_blocks < 1 or num_layers % cfg.num_blocks:
-            raise ValueError(
-                f"residual.num_blocks={cfg.num_blocks} must divide the number of sublayers "
-                f"L={num_layers} (2 × model.layers); allowed: "
-                + ", ".join(str(n) for n in range(1, num_layers + 1) if num_layers % n == 0)
-            )
-        return num_layers // cfg.num_blocks
-    if not 1 <= cfg.block_size <= num_layers:
-        raise ValueError(
-            f"residual.block_size={cfg.block_size} must be between 1 and the number of sublayers "
-            f"L={num_layers} (2 × model.layers)"
-        )
-    return cfg.block_size
+    """S from `num_blocks` (must divide L) when set, else `block_size` (1..L; the last block takes a
+    remainder, checked by AttentionResidual)."""
+    if cfg.num_blocks is None:
+        return cfg.block_size
+    return block_size_for(cfg.num_blocks, num_layers, "residual.num_blocks",
+                          f"the number of sublayers L={num_layers} (2 × model.layers)")
 
 
 def build_residual(cfg: ResidualConfig, d_model: int, num_layers: int, eps: float = 1e-6) -> Residual:
@@ -61,13 +52,11 @@ def build_residual(cfg: ResidualConfig, d_model: int, num_layers: int, eps: floa
         if knobs["sources"] == "window":
             knobs["window"] = cfg.window
         if name == "block_multihead":
-            if cfg.heads < 1 or d_model % cfg.heads:
-                raise ValueError(
-                    f"residual.heads={cfg.heads} must divide model.d_model={d_model}; allowed: "
-                    + ", ".join(str(h) for h in range(1, d_model + 1) if d_model % h == 0 and h <= 64)
-                )
             knobs["heads"] = cfg.heads
-        return AttentionResidual(d_model, num_layers, eps=eps, **knobs)
+        try:
+            return AttentionResidual(d_model, num_layers, eps=eps, **knobs)
+        except ValueError as e:  # the constructor names the knob; a config names it residual.<knob>
+            raise ValueError(f"residual.{e}") from None
     raise ValueError(f"residual.name={name!r} is not a known variant; allowed: {', '.join(VARIANTS)}")
 
 

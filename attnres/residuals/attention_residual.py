@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..depth_attention import NORMALISERS, depth_read, logits, read_chunk
-from .base import Residual, check_positive_int
+from ..config import divisors, is_positive_int, positive_int
+from ..depth_attention import NORMALISERS, acc_dtype, logits, read
+from .base import Residual
 
 SOURCES = ("full", "window", "block")
 QUERIES = ("static", "input", "scalar")
-FULL_CHUNK = 8  # sublayers per phase-one read of Full (Block reads a block); the fastest on the C path
+FULL_CHUNK = 8  # sublayers per phase-one read of Full (Block reads a block): see benchmarks/RESULTS.md
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -43,18 +44,22 @@ class AttentionResidual(Residual):
         _check_choice("sources", sources, SOURCES)
         _check_choice("query", query, QUERIES)
         _check_choice("normaliser", normaliser, NORMALISERS)
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or d_model % heads:
-            raise ValueError(f"heads={heads!r} must be a positive divisor of d_model={d_model}")
-        if sources == "block" and not (isinstance(block_size, int) and 1 <= block_size <= num_layers):
-            raise ValueError(f"block_size={block_size!r} must be between 1 and num_layers={num_layers} (it counts sublayers)")
-        if sources == "window" and not (isinstance(window, int) and window >= 1):
-            raise ValueError(f"window={window!r} must be a positive number of recent sublayer outputs")
+        positive_int("heads", heads, "channel groups with their own softmax over depth")
+        if d_model % heads:
+            raise ValueError(f"heads={heads} must divide d_model={d_model}; allowed: {divisors(d_model, most=64)}")
+        if sources == "block":
+            positive_int("block_size", block_size, "sublayers per block")
+            if block_size > num_layers:
+                raise ValueError(f"block_size={block_size} must be between 1 and the number of sublayers L={num_layers}")
+        if sources == "window":
+            positive_int("window", window, "the number of recent sublayer outputs a read sees")
         self.sources, self.query_kind, self.normaliser, self.heads, self.eps = sources, query, normaliser, heads, eps
         self.key_norm = key_norm and query != "scalar"  # scalar logits have no keys to normalise
         self.block_size = block_size if sources == "block" else 1
         self.window = window
         self.num_columns = (math.ceil(num_layers / self.block_size) if sources == "block" else num_layers) + 1
         self.chunk = self.block_size if sources == "block" else FULL_CHUNK
+        self.opts = dict(key_norm=self.key_norm, eps=eps, normaliser=normaliser, heads=heads)
 
         L, d = num_layers, d_model
         if query == "scalar":  # rows: the L sublayers, then the output read; columns: sources
@@ -117,74 +122,77 @@ class AttentionResidual(Residual):
             visible[l, cols] = True
         return visible
 
-    def visible(self, completed: list, partial: Optional[torch.Tensor]) -> list:
+    def visible(self, sources: list) -> list:
         """The sources of the next read: for a window the embedding and the most recent outputs."""
-        if self.sources == "window" and len(completed) > self.window + 1:
-            completed = completed[:1] + completed[-self.window:]
-        return completed + ([partial] if partial is not None else [])
+        if self.sources == "window" and len(sources) > self.window + 1:
+            return sources[:1] + sources[-self.window:]
+        return sources
 
     def effective_queries(self) -> torch.Tensor:
         """Static queries times their key-norm gains, (L+1, d): the sublayers, then the output read."""
         q = torch.cat([self.pseudo_queries, self.output_query[None]])
         return q * torch.stack([n.weight for n in [*self.key_norms, self.output_norm]]) if self.key_norm else q
 
-    # --- the stream --------------------------------------------------------------------------------
+    # --- the stream ----------------------------------------------------------------------------------
     def stream(self, x, sublayers, want_weights):
-        if not want_weights and self.query_kind == "static" and kernels.two_phase(self.sources, x, self.output_query):
-            return self.two_phase(x, sublayers), None
-        completed, partial = [x], None  # Block: b_0..b_{n-1}, and b_n^{i-1}, the partial sum of block n
-        h, rows = x, []
+        """The sublayers go in chunks (Block: its blocks; else FULL_CHUNK sublayers): `done` holds the
+        sources completed before the chunk, `new` those inside it (Block: the partial sum). Per read,
+        reader l reads done + new. Two-phase (static Block/Full, docs/MATH.md): phase one reads `done`
+        once for all the chunk's readers (the output read joins the last chunk), phase two continues
+        each reader's read with `new` from the state phase one left."""
+        static, L, chunk = self.query_kind == "static", self.num_layers, self.chunk
+        plan = (kernels.Plan("torch", False) if self.query_kind == "scalar"  # no query, nothing for a kernel to read
+                else kernels.plan(self.sources if static else None, x, self.output_query, weights=want_weights))
+        Q = self.effective_queries() if static else None
+        done, new, rows, h = [], [x], [], x
         for l, f in enumerate(sublayers):
-            h, weights = self.read(l, self.visible(completed, partial), h, want_weights)
+            if l % chunk == 0:
+                done, new = done + new, []
+            if plan.two_phase and l % chunk == 0:  # phase one; the kernels keep its state in fp32 at least
+                stop = min(l + chunk, L)
+                outs, lse, _ = read(Q[l : stop + (stop == L)], done, kernel=plan.kernel, with_lse=True, **self.opts,
+                                    out_dtype=None if plan.kernel == "torch" else acc_dtype(done[-1].dtype))
+            if plan.two_phase:
+                i = l % chunk
+                h = (read(Q[l : l + 1], new, (outs[i], lse[i]), kernel=plan.kernel, **self.opts)[0][0] if new
+                     else outs[i]).to(x.dtype)
+            elif self.query_kind == "scalar":
+                h, w = self.scalar_read(l, self.visible(done + new), h, want_weights)
+                rows.append(w)
+            else:
+                outs, _, w = read(self.query(l, h, Q), self.visible(done + new), kernel=plan.kernel, with_weights=want_weights,
+                                  per_token=self.query_kind == "input", **self.opts)
+                h = outs[0]
+                rows.append(w and w[0])
             v = f(h)
-            self.observe(h, v)
-            rows.append(weights)
-            if self.sources != "block":
-                completed.append(v)
-                continue
-            partial = v if partial is None else partial + v
-            if self.block_ends(l):
-                completed.append(partial)
-                partial = None
-        out, weights = self.read(self.num_layers, self.visible(completed, None), h, want_weights)
-        return out, (self.weight_table(rows + [weights]) if want_weights else None)
-
-    def read(self, l: int, sources: list, h_prev: torch.Tensor, want_weights: bool = False):
-        """Reader l (0..L−1 the sublayers, L the output read) over its visible sources: h and, if
-        wanted, its weights (..., heads, n)."""
+            self.observe(l, h, v)
+            new = [new[0] + v] if self.sources == "block" and new else new + [v]
+        if plan.two_phase:
+            return read(Q[L:], new, (outs[-1], lse[-1]), kernel=plan.kernel, **self.opts)[0][0].to(x.dtype), None
         if self.query_kind == "scalar":
-            alpha = torch.softmax(logits(self.mixing_logits[l, self.columns[l]], self.normaliser), -1).to(h_prev.dtype)
-            h = sum(a * v for a, v in zip(alpha, sources))
-            return h, (alpha.expand(*h.shape[:-1], 1, -1) if want_weights else None)
-        if l == self.num_layers:
-            q, gain = self.output_query, (self.output_norm.weight if self.key_norm else None)
+            out, w = self.scalar_read(L, self.visible(done + new), h, want_weights)
         else:
-            q = self.query_projections[l](h_prev) if self.query_kind == "input" else self.pseudo_queries[l]
-            gain = self.key_norms[l].weight if self.key_norm else None
-        out = depth_read(q, sources, gain, key_norm=self.key_norm, eps=self.eps, normaliser=self.normaliser,
-                         heads=self.heads, return_weights=want_weights)
-        return out if want_weights else (out, None)
+            outs, _, w = read(self.query(L, h, Q), self.visible(done + new), kernel=plan.kernel, with_weights=want_weights,
+                              **self.opts)
+            out, w = outs[0], w and w[0]
+        return out, (self.weight_table(rows + [w]) if want_weights else None)
 
-    def two_phase(self, x, sublayers):
-        """The paper's two-phase computation of the same stream, for static queries. The sublayers go
-        in chunks (Block: its blocks; Full: FULL_CHUNK sublayers). Phase one reads the sources
-        completed before a chunk once, for all the chunk's queries (the output read joins the last
-        chunk); phase two continues each sublayer's read with the sources that appeared inside the
-        chunk (Full: its outputs so far; Block: the partial sum), from the state phase one left."""
-        L, Q = self.num_layers, self.effective_queries()
-        opts = dict(key_norm=self.key_norm, eps=self.eps, normaliser=self.normaliser, heads=self.heads)
-        completed = [x]
-        for start in range(0, L, self.chunk):
-            stop = min(start + self.chunk, L)
-            outs, lse = read_chunk(Q[start : stop + (stop == L)], completed, **opts)
-            new = []
-            for i, l in enumerate(range(start, stop)):
-                h = depth_read(Q[l], new, state=(outs[i], lse[i]), **opts) if new else outs[i]
-                v = sublayers[l](h.to(x.dtype))
-                self.observe(h, v)
-                new = [new[0] + v] if self.sources == "block" and new else new + [v]
-            completed += new
-        return depth_read(Q[L], new, state=(outs[-1], lse[-1]), **opts).to(x.dtype)
+    def query(self, l: int, h_prev: torch.Tensor, Q: Optional[torch.Tensor]) -> torch.Tensor:
+        """Reader l's query, its key-norm gain folded in: a row of the static queries Q (1, d), or
+        projected from the hidden state the previous sublayer read (..., d)."""
+        if Q is not None:
+            return Q[l : l + 1]
+        if l == self.num_layers:  # the output read's query is static for every query kind
+            q = self.output_query[None]
+            return q * self.output_norm.weight if self.key_norm else q
+        q = self.query_projections[l](h_prev)
+        return q * self.key_norms[l].weight if self.key_norm else q
+
+    def scalar_read(self, l: int, sources: list, h_prev: torch.Tensor, want_weights: bool):
+        """Reader l with learned logits per source instead of a query: h and, if wanted, its weights."""
+        alpha = torch.softmax(logits(self.mixing_logits[l, self.columns[l]], self.normaliser), -1).to(h_prev.dtype)
+        h = sum(a * v for a, v in zip(alpha, sources))
+        return h, (alpha.expand(*h.shape[:-1], 1, -1) if want_weights else None)
 
     def weight_table(self, rows: list) -> torch.Tensor:
         """Each read's weights (mean over heads) scattered into columns: (L+1, ..., columns), zeros
@@ -232,8 +240,14 @@ class BlockAttentionResidual(AttentionResidual):
     queries pull every read back to the plain mean; see DecoderLM.optimizer_groups)."""
 
     def __init__(self, d_model: int, num_layers: int, num_blocks: int, eps: float = 1e-6):
-        check_positive_int("num_layers", num_layers, "it counts sublayers")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1 or num_layers % num_blocks:
-            raise ValueError(f"num_blocks={num_blocks!r} must divide num_layers={num_layers} (both count sublayers); "
-                             "allowed: " + ", ".join(str(n) for n in range(1, num_layers + 1) if num_layers % n == 0))
-        super().__init__(d_model, num_layers, sources="block", block_size=num_layers // num_blocks, eps=eps)
+        super().__init__(d_model, num_layers, sources="block", block_size=block_size_for(num_blocks, num_layers), eps=eps)
+
+
+def block_size_for(num_blocks: int, num_layers: int, name: str = "num_blocks", layers: str = "") -> int:
+    """S = L / N for N blocks, which must divide the L sublayers; `name` and `layers` say N and L in
+    the caller's terms (the default: this class's arguments)."""
+    positive_int("num_layers", num_layers, "it counts sublayers")
+    if not is_positive_int(num_blocks) or num_layers % num_blocks:
+        layers = layers or f"num_layers={num_layers} (both count sublayers)"
+        raise ValueError(f"{name}={num_blocks!r} must divide {layers}; allowed: {divisors(num_layers)}")
+    return num_layers // num_blocks

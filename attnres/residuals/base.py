@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..config import positive_int
 from ..instrumentation import DepthRecorder
 
 SublayerFn = Callable[..., torch.Tensor]
@@ -44,28 +45,6 @@ def encoder_sublayers(encoder: nn.TransformerEncoder, **kwargs) -> list[Sublayer
     return fns
 
 
-def check_positive_int(name: str, value, meaning: str) -> None:
-    """One line for a size that is not a positive integer (0 built an empty module, a float or a
-    negative number failed later in torch.zeros)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer ({meaning})")
-
-
-def _shape_checked(index: int, f: SublayerFn) -> SublayerFn:
-    """f, with one line naming it when it does not return a tensor of its input's shape (a wrong
-    width or a tuple failed deep in the read with a reshape or attribute error)."""
-
-    def call(h: torch.Tensor) -> torch.Tensor:
-        v = f(h)
-        if not torch.is_tensor(v) or v.shape != h.shape:
-            got = f"shape {tuple(v.shape)}" if torch.is_tensor(v) else f"a {type(v).__name__}"
-            raise ValueError(f"sublayers[{index}] returned {got} for an input of shape {tuple(h.shape)}; "
-                             "each sublayer must return a tensor of its input's shape")
-        return v
-
-    return call
-
-
 class Residual(nn.Module):
     """Base class: argument handling, the encoder form, and the instrumentation hook."""
 
@@ -73,8 +52,8 @@ class Residual(nn.Module):
 
     def __init__(self, d_model: int, num_layers: int):
         super().__init__()
-        check_positive_int("d_model", d_model, "the width of the embedding and of every sublayer's output")
-        check_positive_int("num_layers", num_layers, "it counts sublayers")
+        positive_int("d_model", d_model, "the width of the embedding and of every sublayer's output")
+        positive_int("num_layers", num_layers, "it counts sublayers")
         self.d_model, self.num_layers = d_model, num_layers
         self.recorder: Optional[DepthRecorder] = None
 
@@ -126,7 +105,7 @@ class Residual(nn.Module):
             raise ValueError(f"embedding is on {embedding.device} but the residual's parameters are on {param.device}; "
                              f"move the residual with .to({str(embedding.device)!r}) (from the meta device: .to_empty(device=…) "
                              "then reset_parameters()), or the embedding to its device")
-        return embedding, [_shape_checked(i, f) for i, f in enumerate(sublayers)]
+        return embedding, sublayers
 
     def stream(self, embedding: torch.Tensor, sublayers: Sequence[SublayerFn], want_weights: bool):
         """Run the sublayers; return (hidden state for the final norm, weights or None)."""
@@ -136,7 +115,13 @@ class Residual(nn.Module):
         """(readers, columns) bool mask of the sources each read may see."""
         raise NotImplementedError
 
-    def observe(self, h: torch.Tensor, v: torch.Tensor) -> None:
+    def observe(self, l: int, h: torch.Tensor, v: torch.Tensor) -> None:
+        """After sublayer l: one line naming it when it did not return a tensor of its input's shape
+        (a wrong width or a tuple would fail deep in the next read), and the recorder's entry."""
+        if not torch.is_tensor(v) or v.shape != h.shape:
+            got = f"shape {tuple(v.shape)}" if torch.is_tensor(v) else f"a {type(v).__name__}"
+            raise ValueError(f"sublayers[{l}] returned {got} for an input of shape {tuple(h.shape)}; "
+                             "each sublayer must return a tensor of its input's shape")
         if self.recorder is not None:
             self.recorder.sublayer(h, v)
 

@@ -39,7 +39,7 @@ class DenseFormerResidual(Residual):
         y = embedding
         for l, f in enumerate(sublayers):
             v = f(y)
-            self.observe(y, v)
+            self.observe(l, y, v)
             y = y + v
             if (l + 1) % self.sublayers_per_block == 0:
                 i = len(outputs)

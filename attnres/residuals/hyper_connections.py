@@ -10,8 +10,8 @@ baseline; its output is the mean of the streams. mHC conditions them on RMSNorm 
 flattened: pre = σ(·), post = 2σ(·), res = Sinkhorn-Knopp(exp(·)), a doubly stochastic matrix; its
 output is the stream sum. docs/MATH.md has the equations and our initialisation.
 
-mHC runs on the C kernels for fp32 CPU tensors (kernels/cpu_streams.py), the same function as the
-loop below, which serves everywhere else.
+mHC's loop takes its steps from the C kernels for fp32 CPU tensors (kernels/cpu_streams.py: the
+update and mix of the streams), the same function as its torch steps, which serve everywhere else.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..config import positive_int
 from ..kernels import cpu_streams
 from .base import Residual
 
@@ -50,8 +51,7 @@ def _copies(x: torch.Tensor, n: int) -> torch.Tensor:
 class HyperConnections(Residual):
     def __init__(self, d_model: int, num_layers: int, streams: int = 4, eps: float = 1e-6):
         super().__init__(d_model, num_layers)
-        if streams < 1:
-            raise ValueError(f"streams={streams} must be at least 1")
+        positive_int("streams", streams, "residual streams")
         n, L = streams, num_layers
         self.streams = n
         self.pre_static = nn.Parameter(torch.empty(L, n))
@@ -89,7 +89,7 @@ class HyperConnections(Residual):
             res = self.res_static[l] + self.scale_pre_res[l] * g[..., 2:]  # (..., from, to)
             h = (pre.unsqueeze(-1) * H).sum(-2)
             v = f(h)
-            self.observe(h, v)
+            self.observe(l, h, v)
             H = res.transpose(-1, -2) @ H + post.unsqueeze(-1) * v.unsqueeze(-2)
         return pairwise_mean(H, dim=-2), None
 
@@ -106,8 +106,8 @@ class ManifoldHyperConnections(Residual):
     def __init__(self, d_model: int, num_layers: int, streams: int = 4, sinkhorn_iters: int = 20,
                  gate_init: float = 0.01, eps: float = 1e-6):
         super().__init__(d_model, num_layers)
-        if streams < 1 or sinkhorn_iters < 1:
-            raise ValueError(f"streams={streams} and sinkhorn_iters={sinkhorn_iters} must be at least 1")
+        positive_int("streams", streams, "residual streams")
+        positive_int("sinkhorn_iters", sinkhorn_iters, "Sinkhorn-Knopp iterations")
         n, L, d = streams, num_layers, d_model
         self.streams, self.sinkhorn_iters, self.gate_init = n, sinkhorn_iters, gate_init
         self.norms = nn.ModuleList(nn.RMSNorm(n * d, eps=eps) for _ in range(L))
@@ -140,15 +140,22 @@ class ManifoldHyperConnections(Residual):
         return pre, post, res
 
     def stream(self, x, sublayers, want_weights):
-        if kernels.path(x, self.phi, traceable=False) == "c":
-            return cpu_streams.mhc_stream(self, x, sublayers), None
+        fused = kernels.plan(None, x, self.phi, traceable=False).kernel == "c"
         H = _copies(x, self.streams)
+        H, v, post, res = (H.contiguous() if fused else H), None, None, None
         for l, f in enumerate(sublayers):
-            pre, post, res = self.mixing(l, H)
-            h = (pre.unsqueeze(-1) * H).sum(-2)
+            if fused:  # the previous sublayer's update and this one's mix, one autograd step
+                w = self.norms[l].weight.unsqueeze(-1) * self.phi[l]  # RMSNorm(vec H)·φ = rstd·(vec H @ (g ∘ φ))
+                H, h, post, res = cpu_streams.UpdateThenMix.apply(H, v, post, res, w, self.gates[l], self.bias[l],
+                                                                  self.sinkhorn_iters, self.norms[l].eps)
+            else:
+                if l:  # x_{l+1} = H_res x_l + H_postᵀ f(H_pre x_l)
+                    H = res @ H + post.unsqueeze(-1) * v.unsqueeze(-2)
+                pre, post, res = self.mixing(l, H)
+                h = (pre.unsqueeze(-1) * H).sum(-2)
             v = f(h)
-            self.observe(h, v)
-            H = res @ H + post.unsqueeze(-1) * v.unsqueeze(-2)  # x_{l+1} = H_res x_l + H_postᵀ f(H_pre x_l)
+            self.observe(l, h, v)
+        H = cpu_streams.Update.apply(H, v, post, res) if fused else res @ H + post.unsqueeze(-1) * v.unsqueeze(-2)
         return H.sum(-2), None
 
     def visibility(self):

@@ -7,9 +7,9 @@ from .base import Residual
 class StandardResidual(Residual):
     def stream(self, embedding, sublayers, want_weights):
         h = embedding
-        for f in sublayers:
+        for l, f in enumerate(sublayers):
             v = f(h)
-            self.observe(h, v)
+            self.observe(l, h, v)
             h = h + v
         return h, None
 
