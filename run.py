@@ -9,9 +9,9 @@
     torchrun --standalone --nproc_per_node=8 run.py model=194m train=gpu  # data-parallel (docs/DISTRIBUTED.md)
 
 Returns the final validation loss (for sweepers). Everything else lives in harness/
-(docs/HARNESS.md): config (schemas, validation), job (one run), train (the loop), tracking
-(MLflow), checkpoint, stopping (signals, exit codes), provenance, instrument, callbacks
-(multirun parent run).
+(docs/HARNESS.md): config (schemas, validation), job (one run: accept, acquire, build, fit,
+record), train (the loop), tracking (MLflow), checkpoint, stopping (signals, exit codes),
+provenance, dynamics (depth weights and magnitudes over training), callbacks (multirun parent run).
 """
 from harness import openmp
 

@@ -142,8 +142,8 @@ def _safe(name: str) -> str:
 def _torch_save(state: dict[str, Any], path: Path) -> None:
     """torch.save, a failed write reported as the OSError it is. torch's C++ writer turns a full
     disk, a quota or a file-size limit into RuntimeError("[enforce fail at inline_container.cc]
-    unexpected pos ..."), which the loop would take for a bug and die on (measured on a full
-    tmpfs), instead of keeping the previous checkpoint and training on."""
+    unexpected pos ..."), which the loop would take for a bug and die on, instead of keeping the
+    previous checkpoint and training on (benchmarks/RESULTS_HARNESS.md, "torch.save on a full disk")."""
     try:
         torch.save(state, path)
     except RuntimeError as error:

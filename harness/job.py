@@ -12,19 +12,20 @@ import logging
 import os
 import shutil
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from attnres.config import KNOB_READERS, reads
-from harness import distributed, instrument, malloc, memory_budget, provenance, pruning
+from harness import distributed, dynamics, malloc, memory_budget, provenance, pruning
 from harness.checkpoint import CheckpointUnreadable, RunBusy, RunFolder, run_folder, run_key
-from harness.config import CodeChange, ConfigError, RunSpec, flatten, rank, to_plain, validate, world_size
+from harness.config import CodeChange, ConfigError, RunSpec, absolute_sqlite, changes_the_run, flatten, override_key
+from harness.config import rank, to_plain, validate, world_size
 from harness.data import DataError, TokenData, load_data
-from harness.config import changes_the_run, override_key
-from harness.config import absolute_sqlite
 from harness.stopping import INTERRUPT_EXIT, REQUEUE_EXIT, StopSignals, requeue_on_sigterm, stop_on_signals
 from harness.tracking import MlflowTracker, NullTracker, RunNotInStore, end_replaced_run, replay_folder
 from harness.tracking import TrackingUnreachable, check_tracking_uri
@@ -114,7 +115,7 @@ def _hydra_mode() -> tuple[bool, str | None, list]:
     return hc.mode == RunMode.MULTIRUN, hc.runtime.output_dir, OmegaConf.to_container(hc.overrides.task)
 
 
-def _bad_input(error: Exception, multirun: bool, output_dir: str | None) -> float:
+def _bad_input(error: Exception, multirun: bool, output_dir: str | None) -> NoReturn:
     if multirun:
         raise error  # the sweeper records the failed job and goes on with the next
     print(f"error: {error}", file=sys.stderr, flush=True)
@@ -141,13 +142,59 @@ def _remove_empty_output_dir(output_dir: str | None) -> None:
         shutil.rmtree(folder, ignore_errors=True)  # (<stem>_rank<N>.log: the other ranks' logs under torchrun)
 
 
+@dataclass
+class Job:
+    """What the steps of one job share, from its validated config to its MLflow run."""
+
+    spec: RunSpec
+    plain: dict[str, Any]  # the config as plain containers: its key, its folder, its MLflow params
+    data: TokenData
+    folder: RunFolder  # read-only on ranks other than 0
+    multirun: bool
+    output_dir: str | None  # Hydra's folder for this job (None outside Hydra)
+    overrides: list
+    code_files: dict[str, str] = field(default_factory=dict)  # provenance.run_code_files() at start
+    label: str = "run"
+    tracker: Any = None
+    trainer: Trainer | None = None
+
+    @property
+    def cfg(self):
+        return self.spec.cfg
+
+    def refuse(self, error: Exception) -> NoReturn:
+        _bad_input(error, self.multirun, self.output_dir)
+
+
 def run(cfg: DictConfig) -> float:
     """Train the run `cfg` describes (or resume it, or return its recorded result)."""
     with requeue_on_sigterm():
-        return _run(cfg)
+        job = _accept(cfg)  # bad input: one line, exit 2, nothing created
+        with distributed.process_group(job.spec):
+            _acquire(job)
+            try:
+                # from here a stop ends the run KILLED, resumable
+                with stop_on_signals(StopSignals()) as stops, _stop_after_the_job(job, stops):
+                    record, state = _earlier_run(job)
+                    if _settled(job, record):
+                        return _answer_recorded(job, record)
+                    job.tracker = _open_tracker(job, record, state)
+                    try:
+                        _write_running_record(job, record)
+                        job.trainer = stops.attach(_build(job, state))
+                        final = job.trainer.fit()
+                        _log_results(job, final)
+                    except BaseException as error:
+                        _end_on_error(job.tracker, job.folder, error, interrupted=_lost_process(job, error))
+                        _exit_for(job, error)
+                        raise
+                    return _record_finished(job, final)
+            finally:
+                job.folder.release()
 
 
-def _run(cfg: DictConfig) -> float:
+def _accept(cfg: DictConfig) -> Job:
+    """Validate the config, load the data and check the machine can hold the run."""
     multirun, output_dir, overrides = _hydra_mode()
     try:
         spec = validate(cfg)
@@ -163,86 +210,86 @@ def _run(cfg: DictConfig) -> float:
         if spec.cfg.tracking.enabled and rank() == 0:
             check_tracking_uri(spec.cfg.tracking.uri)  # a dead server: seconds, not minutes of retries
     except (ConfigError, DataError, TrackingUnreachable) as error:
-        return _bad_input(error, multirun, output_dir)
-
+        _bad_input(error, multirun, output_dir)
     plain = to_plain(spec.cfg)
-    main = rank() == 0
     identity = {"run_key": run_key(plain), "seed": spec.cfg.train.seed, "variant": spec.cfg.residual.name}
-    folder = RunFolder(run_folder(plain), read_only=not main, identity=identity)  # under torchrun rank 0 alone writes
-    with distributed.process_group(spec):
-        refusal = None
-        replaced = None  # the record of the run a fresh start (train.resume=false) replaces
-        if main:
-            try:
-                if not spec.cfg.train.resume:
-                    replaced = folder.record()
-                # The same multirun started twice: its jobs wait for the process holding them, then
-                # find them finished (a sweep's trial held elsewhere is voided instead: RunBusy).
-                waiting = multirun and not _in_trial()
-                folder.acquire(fresh=not spec.cfg.train.resume,
-                               wait=(lambda: print(f"{folder.path.name}: another process is running this job; "
-                                                   "waiting for it", file=sys.stderr, flush=True)) if waiting else None)
-            except RunBusy as error:
-                refusal = error
-            except OSError as error:  # a checkpoint_dir that cannot exist or be written
-                refusal = ConfigError(
-                    f"train.checkpoint_dir={spec.cfg.train.checkpoint_dir}: cannot create the run folder "
-                    f"{folder.path} ({error.strerror}); allowed: a writable folder (null = <project root>/checkpoints)")
-        refusal = distributed.from_main(refusal)  # also keeps the other ranks off the folder until it is ready
-        if refusal is not None:
-            return _bad_input(refusal, multirun, output_dir)
-        if replaced and replaced.get("mlflow_run_id") and replaced.get("tracking_uri"):
-            end_replaced_run(replaced["tracking_uri"], replaced["mlflow_run_id"],
-                             "replaced: train.resume=false started this config again from step 0")
+    folder = RunFolder(run_folder(plain), read_only=rank() != 0, identity=identity)  # under torchrun rank 0 alone writes
+    return Job(spec, plain, data, folder, multirun, output_dir, overrides)
+
+
+def _acquire(job: Job) -> None:
+    """Take the run folder's lock (rank 0; the other ranks wait for its answer)."""
+    refusal = None
+    replaced = None  # the record of the run a fresh start (train.resume=false) replaces
+    if not job.folder.read_only:
         try:
-            return _run_in_folder(spec, plain, data, folder, multirun, output_dir, overrides)
-        finally:
-            folder.release()
+            if not job.cfg.train.resume:
+                replaced = job.folder.record()
+            # The same multirun started twice: its jobs wait for the process holding them, then
+            # find them finished (a sweep's trial held elsewhere is voided instead: RunBusy).
+            waiting = job.multirun and not _in_trial()
+            job.folder.acquire(fresh=not job.cfg.train.resume, wait=_say_waiting(job.folder) if waiting else None)
+        except RunBusy as error:
+            refusal = error
+        except OSError as error:  # a checkpoint_dir that cannot exist or be written
+            refusal = ConfigError(
+                f"train.checkpoint_dir={job.cfg.train.checkpoint_dir}: cannot create the run folder "
+                f"{job.folder.path} ({error.strerror}); allowed: a writable folder (null = <project root>/checkpoints)")
+    refusal = distributed.from_main(refusal)  # also keeps the other ranks off the folder until it is ready
+    if refusal is not None:
+        job.refuse(refusal)
+    if replaced and replaced.get("mlflow_run_id") and replaced.get("tracking_uri"):
+        end_replaced_run(replaced["tracking_uri"], replaced["mlflow_run_id"],
+                         "replaced: train.resume=false started this config again from step 0")
 
 
-def _run_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder: RunFolder | None,
-                   multirun: bool, output_dir: str | None, overrides: list) -> float:
+def _say_waiting(folder: RunFolder):
+    return lambda: print(f"{folder.path.name}: another process is running this job; waiting for it",
+                         file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _stop_after_the_job(job: Job, stops: StopSignals):
+    """A stop asked for when no step was left to stop after (during the last one, the plots or the
+    model upload, or before a finished run's answer): the job is done and recorded, and the
+    process still stops, so that a preempted multirun does not go on to its next job. Never
+    swallows an exception without raising one."""
     failure = None
-    with stop_on_signals(StopSignals()) as stops:  # from here a stop ends the run KILLED, resumable
-        try:
-            result = _train_in_folder(spec, plain, data, folder, multirun, output_dir, overrides, stops)
-        except Exception as error:
-            # The job ended with an outcome of its own after a stop request (it diverged or was
-            # pruned at the step the signal came in, its checkpoint was unreadable...), recorded
-            # as such. A multirun or a sweep records the exception and starts its next job: the
-            # request would be lost, and the next job killed mid-step by the scheduler. (A single
-            # run ends here anyway, with the error's own line and exit code.)
-            if not (stops.received and (multirun or _in_trial())):
-                raise
-            failure = error
+    try:
+        yield
+    except Exception as error:
+        # The job ended with an outcome of its own after a stop request (it diverged or was
+        # pruned at the step the signal came in...): a multirun or a sweep would record it and
+        # start its next job, losing the request. (A single run ends with the error's own line.)
+        if not (stops.received and (job.multirun or _in_trial())):
+            raise
+        failure = error
     late = stops.received
-    if late:
-        # Asked to stop when no step was left to stop after (during the last one, the plots or the
-        # model upload, or before a finished run's answer): the job is done and recorded, and the
-        # process still stops, so that a preempted multirun does not go on to its next job.
-        if _in_trial():
-            raise KeyboardInterrupt("" if late == "SIGINT" else late) from failure
-        code = INTERRUPT_EXIT if late == "SIGINT" else REQUEUE_EXIT
-        ended = f"; it ended {type(failure).__name__}: {' '.join(str(failure).split())[:300]}" if failure else ""
-        print(f"stopped after the job ({late}{ended}); exit {code}" + (" = requeue me" if code == REQUEUE_EXIT else ""),
-              file=sys.stderr, flush=True)
-        raise SystemExit(code) from failure
-    return result
+    if not late:
+        return
+    if _in_trial():
+        raise KeyboardInterrupt("" if late == "SIGINT" else late) from failure
+    code = INTERRUPT_EXIT if late == "SIGINT" else REQUEUE_EXIT
+    ended = f"; it ended {type(failure).__name__}: {' '.join(str(failure).split())[:300]}" if failure else ""
+    print(f"stopped after the job ({late}{ended}); exit {code}" + (" = requeue me" if code == REQUEUE_EXIT else ""),
+          file=sys.stderr, flush=True)
+    raise SystemExit(code) from failure
 
 
-def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, folder: RunFolder | None,
-                     multirun: bool, output_dir: str | None, overrides: list, stops: StopSignals) -> float:
-    c = spec.cfg
-    record = distributed.from_main(folder.record() if folder is not None else None)  # rank 0's decides
-    changed = _data_changed(record, data)
+def _earlier_run(job: Job) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the run's record, its checkpoint) once both may stand for this data and code; refuses
+    (exit 2) where they may not, and clears the folder for train.code_change=retrain."""
+    c, folder = job.cfg, job.folder
+    record = distributed.from_main(folder.record())  # rank 0's decides
+    changed = _data_changed(record, job.data)
     if changed:
-        return _bad_input(DataError(changed), multirun, output_dir)
-    code_now = provenance.run_code_files()
-    edited = _code_changed(record, code_now)
+        job.refuse(DataError(changed))
+    job.code_files = provenance.run_code_files()
+    edited = _code_changed(record, job.code_files)
     if edited and c.train.code_change is CodeChange.ask:
-        return _bad_input(ConfigError(f"{folder.path.name}: {edited}; allowed: train.code_change=keep (its "
-                                      "recorded result, or resume it with the code as it is now) or "
-                                      "train.code_change=retrain (train it again from step 0)"), multirun, output_dir)
+        job.refuse(ConfigError(f"{folder.path.name}: {edited}; allowed: train.code_change=keep (its recorded "
+                               "result, or resume it with the code as it is now) or train.code_change=retrain "
+                               "(train it again from step 0)"))
     if edited and c.train.code_change is CodeChange.retrain:
         if not folder.read_only:
             print(f"{folder.path.name}: {edited}; train.code_change=retrain: training it again from step 0",
@@ -256,139 +303,205 @@ def _train_in_folder(spec: RunSpec, plain: dict[str, Any], data: TokenData, fold
     elif edited and not folder.read_only:
         log.warning("%s: %s; train.code_change=keep: %s", folder.path.name, edited,
                     "its recorded result stands" if record.get("status") == "finished" else "resuming with this code")
-    if record and record.get("status") == "finished":
-        if c.tracking.enabled and record.get("mlflow_run_id") and not folder.read_only:  # metrics its server missed
-            try:  # (a store that lost the run is said, never answered "already finished")
-                replay_folder(record.get("tracking_uri") or c.tracking.uri, record["mlflow_run_id"], folder.path)
-            except RunNotInStore as error:
-                return _bad_input(error, multirun, output_dir)
-        value = record["final"]["final/val_loss"]
-        if not folder.read_only:  # under torchrun rank 0 reports for all
-            # The run folder is keyed by what a run computes, not where it logs: a run finished
-            # into another store is not in this one, which the user would otherwise look for there.
-            where = record.get("tracking_uri")
-            # (compared as stores: sqlite:///mlflow.db in the project root is the default's file)
-            elsewhere = (f" in {where}, not in tracking.uri={c.tracking.uri}"
-                         if c.tracking.enabled and where and absolute_sqlite(where) != absolute_sqlite(c.tracking.uri)
-                         else "")
-            again = ("train.resume=false (or another train.checkpoint_dir) trains it again into this "
-                     "store" if elsewhere else "train.resume=false trains it again")
-            print(f"{folder.path.name}: already finished (val loss {value:.4f}, MLflow run "
-                  f"{record.get('mlflow_run_id')}{elsewhere}); {again}", file=sys.stderr)
-        return value
-    if record and record.get("status") == "failed" and not c.train.retry_failed:
-        return _skip_failed(folder, record, multirun)
-
+    if _settled(job, record):
+        return record, None
     try:
-        state = distributed.load_everywhere(folder) if folder is not None else None  # every rank loads it
+        state = distributed.load_everywhere(folder)  # every rank loads it
     except CheckpointUnreadable as error:  # before any MLflow run is opened: nothing to end
-        return _bad_input(error, multirun, output_dir)
-    _note_repeated_overrides(overrides)  # here, once nothing refuses the job: a refusal stays one line
-    label = c.tracking.run_name or run_label(c, overrides)
-    tracker = _open_tracker(spec, plain, data, label, record, state, multirun, output_dir, overrides, folder)
-    trainer = None
-    try:
-        if folder is not None:  # inside the try: a full disk here ends the MLflow run FAILED, saying why
-            known = [i for i in [*(record or {}).get("mlflow_run_ids", []), (record or {}).get("mlflow_run_id"),
-                                 tracker.run_id] if i]
-            folder.write_record(key=run_key(plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
-                                mlflow_run_ids=sorted(set(known)),
-                                tracking_uri=c.tracking.uri if tracker.enabled else None,
-                                data_sha256=data.fingerprint.get("sha256"), code_files=code_now)
-        trainer = stops.attach(Trainer(spec, data, tracker, folder, label=label))
-        if state is not None:
-            trainer.load_state_dict(state)
-            log.info("resumed %s at step %d of %d", folder.path, trainer.step, spec.steps)
-        elif getattr(spec.cfg.model, "init_from", None):  # a fresh start from a Hugging Face checkpoint's weights
-            from harness import hf_import
+        job.refuse(error)
+    _note_repeated_overrides(job.overrides)  # here, once nothing refuses the job: a refusal stays one line
+    job.label = c.tracking.run_name or run_label(c, job.overrides)
+    return record, state
 
-            hf_import.load_into(trainer.model, spec.cfg.model.init_from)
-        final = trainer.fit()
-        tracker.log_metrics(final, trainer.step)
-        if c.tracking.log_plots and tracker.enabled and trainer.history:
-            tracker.log_figure(instrument.depth_weights_figure(trainer.history[-1], label), "plots/depth_weights.png")
-            tracker.log_figure(instrument.magnitudes_figure(trainer.history, label), "plots/magnitudes.png")
-        explorer = c.tracking.log_explorer and trainer.model.residual.has_depth_weights
-        if (c.tracking.log_model or explorer) and c.tracking.enabled:
-            model = trainer.export_model()  # under FSDP a gather: every rank takes part
-            if tracker.enabled and c.tracking.log_model:
-                _log_model(tracker, model, plain)
-            if tracker.enabled and explorer:
-                _log_explorer(tracker, model, spec, data)
-    except BaseException as error:
-        lost = spec.parallel is not None and distributed.lost_process(error)
-        _end_on_error(tracker, folder, error, interrupted=lost)
-        if lost:
-            # Another rank died (kill -9, OOM, a node lost) and took the collective with it: not
-            # this run's failure. KILLED and resumable, as when the whole launch is killed; exit
-            # 75 so that a requeueing script or launcher runs it again.
-            reason = " ".join(str(error).split())[:200]
-            where = f" at step {trainer.step}" if trainer is not None else ""
-            print(f"{label}: stopped{where}: a process of the launch was lost ({reason}); "
-                  f"the same command resumes from the last checkpoint; exit {REQUEUE_EXIT} = requeue me",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(REQUEUE_EXIT) from None
-        # Stopped on request: the run is KILLED and resumable; one line, not a traceback, and every
-        # rank says where it stopped (they agree: the stop is decided collectively).
-        if isinstance(error, StopRequested) and _in_trial():
-            # In an Optuna trial the sweeper owns the interrupt: it voids the trial, says one line
-            # ("sweep interrupted (Ctrl-C)", or the signal's name) and exits 130 (75 for SIGTERM).
-            raise KeyboardInterrupt("" if trainer.stop_reason == "SIGINT" else trainer.stop_reason) from None
-        if isinstance(error, StopRequested) and trainer.stop_reason == "SIGINT":
-            print(f"{label}: interrupted (Ctrl-C): {error}", file=sys.stderr, flush=True)
-            raise SystemExit(INTERRUPT_EXIT) from None  # also ends a multirun
-        if isinstance(error, StopRequested):
-            print(f"{label}: {error} ({trainer.stop_reason}); exit {REQUEUE_EXIT} = requeue me", file=sys.stderr, flush=True)
-            raise SystemExit(REQUEUE_EXIT) from None  # also ends a multirun: the machine is going
-        if isinstance(error, KeyboardInterrupt) and not _in_trial():
-            # A second Ctrl-C, or one outside the training loop. (In an Optuna trial the sweeper
-            # takes the interrupt: it voids the trial.)
-            print(f"{label}: interrupted (Ctrl-C); rerun to resume from the last checkpoint", file=sys.stderr, flush=True)
-            raise SystemExit(INTERRUPT_EXIT) from None
-        if isinstance(error, NonFiniteLoss) and not multirun and not _in_trial():
-            # The run's outcome, not a fault of the code: one line. (A multirun or a sweep records
-            # the failed job from the exception itself.)
-            where = f"MLflow run {tracker.run_id} FAILED, " if tracker.enabled else ""
-            print(f"{label}: diverged: {error}; {where}its last good checkpoint kept (train.retry_failed=true "
-                  "resumes from it)", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-        if memory_budget.out_of_memory(error) and not multirun and not _in_trial():
-            # The machine's memory, not a fault of the code: one line with a micro-batch to try.
-            # (The pre-flight check, harness/memory_budget.py, refuses what cannot fit on a CPU.)
-            where = f"MLflow run {tracker.run_id} FAILED; " if tracker.enabled else ""
-            at = f" at step {trainer.step + 1}" if trainer is not None else " building the model"
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-            print(f"{label}: out of memory{at} ({first}); {where}allowed: {memory_budget.after_out_of_memory(spec)}",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-        if isinstance(error, OSError) and error.errno in DISK_ERRNOS and not multirun and not _in_trial():
-            # The file system refused a write the run cannot go on without (its record): the
-            # machine's state, not a fault of the code; one line. (A checkpoint write that fails
-            # does not end the run: Trainer._checkpoint.)
-            where = f"MLflow run {tracker.run_id} FAILED; " if tracker.enabled else ""
-            place = f" (run folder {folder.path})" if folder is not None and not error.filename else ""
-            print(f"{label}: stopped: {error}{place}; {where}rerun the same command once the disk has room "
-                  "(it resumes from its last checkpoint)", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-        raise
-    # The MLflow run ends (its final metrics flushed) before the record says finished: a process
-    # killed in between then resumes at its last step and ends the run, where the other order
-    # answered "already finished" forever with the run RUNNING and no final/* metrics in MLflow.
+
+def _settled(job: Job, record: dict[str, Any] | None) -> bool:
+    """Whether the recorded run is answered rather than trained: finished, or failed and not retried."""
+    status = (record or {}).get("status")
+    return status == "finished" or (status == "failed" and not job.cfg.train.retry_failed)
+
+
+def _answer_recorded(job: Job, record: dict[str, Any]) -> float:
+    """A finished run's result, said once (its metrics replayed into the store that missed them);
+    a failed one's refusal to train again (_skip_failed)."""
+    c, folder = job.cfg, job.folder
+    if record.get("status") == "failed":
+        return _skip_failed(folder, record, job.multirun)
+    if c.tracking.enabled and record.get("mlflow_run_id") and not folder.read_only:  # metrics its server missed
+        try:  # (a store that lost the run is said, never answered "already finished")
+            replay_folder(record.get("tracking_uri") or c.tracking.uri, record["mlflow_run_id"], folder.path)
+        except RunNotInStore as error:
+            job.refuse(error)
+    value = record["final"]["final/val_loss"]
+    if not folder.read_only:  # under torchrun rank 0 reports for all
+        # The run folder is keyed by what a run computes, not where it logs: a run finished
+        # into another store is not in this one, which the user would otherwise look for there.
+        where = record.get("tracking_uri")
+        # (compared as stores: sqlite:///mlflow.db in the project root is the default's file)
+        elsewhere = (f" in {where}, not in tracking.uri={c.tracking.uri}"
+                     if c.tracking.enabled and where and absolute_sqlite(where) != absolute_sqlite(c.tracking.uri)
+                     else "")
+        again = ("train.resume=false (or another train.checkpoint_dir) trains it again into this "
+                 "store" if elsewhere else "train.resume=false trains it again")
+        print(f"{folder.path.name}: already finished (val loss {value:.4f}, MLflow run "
+              f"{record.get('mlflow_run_id')}{elsewhere}); {again}", file=sys.stderr)
+    return value
+
+
+def _write_running_record(job: Job, record: dict[str, Any] | None) -> None:
+    """run.json says running, under which MLflow runs, on which data and code (a full disk here
+    ends the MLflow run FAILED, saying why)."""
+    tracker = job.tracker
+    known = [i for i in [*(record or {}).get("mlflow_run_ids", []), (record or {}).get("mlflow_run_id"),
+                         tracker.run_id] if i]
+    job.folder.write_record(key=run_key(job.plain), status="running", failure=None, mlflow_run_id=tracker.run_id,
+                            mlflow_run_ids=sorted(set(known)),
+                            tracking_uri=job.cfg.tracking.uri if tracker.enabled else None,
+                            data_sha256=job.data.fingerprint.get("sha256"), code_files=job.code_files)
+
+
+def _build(job: Job, state: dict[str, Any] | None) -> Trainer:
+    """The model, its optimizer and its loop, at the checkpoint's step when there is one."""
+    trainer = Trainer(job.spec, job.data, job.tracker, job.folder, label=job.label)
+    if state is not None:
+        trainer.load_state_dict(state)
+        log.info("resumed %s at step %d of %d", job.folder.path, trainer.step, job.spec.steps)
+    elif getattr(job.cfg.model, "init_from", None):  # a fresh start from a Hugging Face checkpoint's weights
+        from harness import hf_import
+
+        hf_import.load_into(trainer.model, job.cfg.model.init_from)
+    return trainer
+
+
+def _log_results(job: Job, final: dict[str, float]) -> None:
+    """The final metrics, plots, model and depth-map explorer into the MLflow run."""
+    c, tracker, trainer = job.cfg, job.tracker, job.trainer
+    tracker.log_metrics(final, trainer.step)
+    if c.tracking.log_plots and tracker.enabled and trainer.history:
+        tracker.log_figure(dynamics.depth_weights_figure(trainer.history[-1], job.label), "plots/depth_weights.png")
+        tracker.log_figure(dynamics.magnitudes_figure(trainer.history, job.label), "plots/magnitudes.png")
+    explorer = c.tracking.log_explorer and trainer.model.residual.has_depth_weights
+    if (c.tracking.log_model or explorer) and c.tracking.enabled:
+        model = trainer.export_model()  # under FSDP a gather: every rank takes part
+        if tracker.enabled and c.tracking.log_model:
+            _log_model(tracker, model, job.plain)
+        if tracker.enabled and explorer:
+            _log_explorer(tracker, model, job.spec, job.data)
+
+
+def _record_finished(job: Job, final: dict[str, float]) -> float:
+    """End the MLflow run, then the record: killed in between, a rerun resumes and ends the run
+    (in the other order the run would stay RUNNING, without final/* metrics, for good)."""
+    tracker = job.tracker
     tracker.end("FINISHED")
-    if folder is not None:
-        folder.write_record(status="finished", final=final)
-    if folder is None or not folder.read_only:  # under torchrun rank 0 reports for all
-        print(f"{label}: val loss {final['final/val_loss']:.4f} after {final['final/tokens']:,} tokens "
+    job.folder.write_record(status="finished", final=final)
+    if not job.folder.read_only:  # under torchrun rank 0 reports for all
+        print(f"{job.label}: val loss {final['final/val_loss']:.4f} after {final['final/tokens']:,} tokens "
               f"({final['final/train_seconds']:.1f} s)" + (f", MLflow run {tracker.run_id}" if tracker.enabled else ""),
               file=sys.stderr)
     return final["final/val_loss"]
+
+
+# --- How a job that raised ends: one line and an exit code, or the exception itself -------------
+# Kinds of ending recognised by their content rather than their class (_kind_of).
+class LostProcess:
+    """A collective failed because another process of the launch is gone (distributed.lost_process)."""
+
+
+class CtrlCStop:
+    """StopRequested by Ctrl-C."""
+
+
+class OutOfMemory:
+    """An allocation that did not fit (memory_budget.out_of_memory)."""
+
+
+class DiskRefused:
+    """A write the file system refused (full, over quota, read-only, failing, a file-size limit)."""
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    line: Callable[[Job, BaseException], str]  # the one line on stderr
+    # all: every job; not_trial: not in an Optuna trial (the sweeper takes the interrupt and voids
+    # the trial); single: a single run only (a multirun or a sweep records the exception itself)
+    scope: str = "single"
+
+
+def _failed_in(job: Job, separator: str) -> str:
+    return f"MLflow run {job.tracker.run_id} FAILED{separator}" if job.tracker.enabled else ""
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+EXITS: dict[type, Exit] = {
+    # Another rank died (kill -9, OOM, a node lost): not this run's failure; KILLED and resumable,
+    # exit 75 so that a requeueing script or launcher runs it again.
+    LostProcess: Exit(REQUEUE_EXIT, lambda job, e: (
+        f"{job.label}: stopped{f' at step {job.trainer.step}' if job.trainer is not None else ''}: a process of "
+        f"the launch was lost ({' '.join(str(e).split())[:200]}); the same command resumes from the last "
+        f"checkpoint; exit {REQUEUE_EXIT} = requeue me"), scope="all"),
+    # Stopped on request (every rank agrees, the stop is collective); both also end a multirun.
+    CtrlCStop: Exit(INTERRUPT_EXIT, lambda job, e: f"{job.label}: interrupted (Ctrl-C): {e}", scope="all"),
+    StopRequested: Exit(REQUEUE_EXIT, lambda job, e: (
+        f"{job.label}: {e} ({job.trainer.stop_reason}); exit {REQUEUE_EXIT} = requeue me"), scope="all"),
+    # A second Ctrl-C, or one outside the training loop.
+    KeyboardInterrupt: Exit(INTERRUPT_EXIT, lambda job, e: (
+        f"{job.label}: interrupted (Ctrl-C); rerun to resume from the last checkpoint"), scope="not_trial"),
+    # The run's outcome, not a fault of the code.
+    NonFiniteLoss: Exit(1, lambda job, e: (
+        f"{job.label}: diverged: {e}; {_failed_in(job, ', ')}its last good checkpoint kept "
+        "(train.retry_failed=true resumes from it)")),
+    # The machine's memory: a micro-batch to try (memory_budget refuses up front what cannot fit on a CPU).
+    OutOfMemory: Exit(1, lambda job, e: (
+        f"{job.label}: out of memory{f' at step {job.trainer.step + 1}' if job.trainer is not None else ' building the model'}"
+        f" ({_first_line(e)}); {_failed_in(job, '; ')}allowed: {memory_budget.after_out_of_memory(job.spec)}")),
+    # A write the run cannot go on without (its record; a failed checkpoint write does not end it).
+    DiskRefused: Exit(1, lambda job, e: (
+        f"{job.label}: stopped: {e}{'' if e.filename else f' (run folder {job.folder.path})'}; "
+        f"{_failed_in(job, '; ')}rerun the same command once the disk has room (it resumes from its last checkpoint)")),
+}
+
+
+def _lost_process(job: Job, error: BaseException) -> bool:
+    return job.spec.parallel is not None and distributed.lost_process(error)
+
+
+def _kind_of(job: Job, error: BaseException) -> type:
+    """The key of EXITS that `error` ends the job by (its own class when none of the kinds fits)."""
+    if _lost_process(job, error):
+        return LostProcess
+    if isinstance(error, StopRequested) and job.trainer is not None and job.trainer.stop_reason == "SIGINT":
+        return CtrlCStop
+    if memory_budget.out_of_memory(error):
+        return OutOfMemory
+    if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+        return DiskRefused
+    return type(error)
+
+
+def _exit_for(job: Job, error: BaseException) -> None:
+    """End the process as EXITS says for `error`; return where the exception goes on as it is."""
+    kind = _kind_of(job, error)
+    if issubclass(kind, (StopRequested, CtrlCStop)) and _in_trial():
+        # the sweeper owns the interrupt: it voids the trial, says one line and exits 130 (75 for SIGTERM)
+        raise KeyboardInterrupt("" if kind is CtrlCStop else job.trainer.stop_reason) from None
+    ending = next((EXITS[k] for k in kind.__mro__ if k in EXITS), None)
+    if ending is None or (ending.scope == "not_trial" and _in_trial()):
+        return
+    if ending.scope == "single" and (job.multirun or _in_trial()):
+        return
+    print(ending.line(job, error), file=sys.stderr, flush=True)
+    raise SystemExit(ending.code) from None
 
 
 class PreviouslyFailed(RuntimeError):
     """This config's run failed before and train.retry_failed is false: it is not trained again."""
 
 
-def _skip_failed(folder: RunFolder, record: dict[str, Any], multirun: bool) -> float:
+def _skip_failed(folder: RunFolder, record: dict[str, Any], multirun: bool) -> NoReturn:
     """A failed run (divergence, an error) is not retrained behind the user's back: rerunning a
     sweep redoes only what was interrupted. The job reports the failure as a failed job does (a
     multirun counts it failed, exit 1), so the sweep's outcome stays what it was."""
@@ -436,7 +549,7 @@ def _in_trial() -> bool:
     return pruning.current_trial() is not None
 
 
-def _end_on_error(tracker, folder: RunFolder | None, error: BaseException, interrupted: bool = False) -> None:
+def _end_on_error(tracker, folder: RunFolder, error: BaseException, interrupted: bool = False) -> None:
     """End the MLflow run and the record as `error` says. interrupted: resumable whatever the
     error (a collective broken by a lost process)."""
     if isinstance(error, pruning.TrialPruned):
@@ -455,19 +568,18 @@ def _end_on_error(tracker, folder: RunFolder | None, error: BaseException, inter
             tags["attnres.failure_step"] = error.step
         tracker.end("FAILED", tags)
         status = "failed"
-    if folder is not None:
-        try:
-            folder.write_record(status=status, failure=f"{type(error).__name__}: {error}")
-        except OSError as write_error:  # a full disk: MLflow has the outcome; the error that ended the run is the news
-            log.warning("%s: run.json not updated (%s)", folder.path, write_error)
+    try:
+        folder.write_record(status=status, failure=f"{type(error).__name__}: {error}")
+    except OSError as write_error:  # a full disk: MLflow has the outcome; the error that ended the run is the news
+        log.warning("%s: run.json not updated (%s)", folder.path, write_error)
 
 
-def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, state, multirun: bool,
-                  output_dir: str | None, overrides: list, folder: RunFolder | None = None):
-    c = spec.cfg
+def _open_tracker(job: Job, record: dict[str, Any] | None, state: dict[str, Any] | None):
+    """The run's MLflow run: resumed (by the id its record or checkpoint holds) or started."""
+    c, spec = job.cfg, job.spec
     if not c.tracking.enabled or rank() != 0:
         return NullTracker()
-    parent = c.tracking.parent_run_id or (os.environ.get(PARENT_ENV) if multirun else None)
+    parent = c.tracking.parent_run_id or (os.environ.get(PARENT_ENV) if job.multirun else None)
     trial = pruning.current_trial()
     tags = {
         "attnres.role": "trial" if trial is not None else "job",
@@ -476,12 +588,12 @@ def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, sta
         "attnres.seed": c.train.seed,
         "attnres.sweep": c.sweep.name,
         "attnres.status": "RUNNING",
-        "attnres.data_fingerprint": data.fingerprint.get("sha256", ""),
-        "attnres.run_key": run_key(plain),
+        "attnres.data_fingerprint": job.data.fingerprint.get("sha256", ""),
+        "attnres.run_key": run_key(job.plain),
         "attnres.device": str(spec.device),
     }
-    if output_dir:
-        tags["attnres.hydra_output_dir"] = output_dir
+    if job.output_dir:
+        tags["attnres.hydra_output_dir"] = job.output_dir
     if trial is not None:
         tags["optuna.trial_number"] = getattr(trial, "number", "")
     # run.json names the run (it exists before step 1); the checkpoint names it too, so a record
@@ -489,10 +601,10 @@ def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, sta
     # RUNNING and the second missing the steps before the checkpoint.
     resume_id = (record or {}).get("mlflow_run_id") or (state or {}).get("mlflow_run_id")
     tracker = MlflowTracker.start(
-        c.tracking.uri, c.tracking.experiment or c.sweep.name, label,
+        c.tracking.uri, c.tracking.experiment or c.sweep.name, job.label,
         {k: str(v) for k, v in tags.items()}, parent_run_id=parent, resume_run_id=resume_id,
         system_metrics=c.tracking.system_metrics, flush_seconds=c.tracking.flush_seconds,
-        pending_dir=folder.path if folder is not None else None,
+        pending_dir=job.folder.path,
     )
     if trial is not None:
         pruning.record_run(tracker.run_id)
@@ -502,22 +614,23 @@ def _open_tracker(spec: RunSpec, plain, data: TokenData, label: str, record, sta
             _note_code_change(tracker, c, (state or {}).get("step", 0))
             _note_layout_change(tracker, spec, (state or {}).get("step", 0))
         else:
-            _log_start(tracker, spec, plain, data, overrides)
+            _log_start(tracker, job)
     except BaseException as error:
         tracker.end("FAILED", {"attnres.failure": f"while logging the run's start: {error}"[:5000]})
         raise
     return tracker
 
 
-def _log_start(tracker, spec: RunSpec, plain, data: TokenData, overrides: list) -> None:
-    c = spec.cfg
+def _log_start(tracker, job: Job) -> None:
+    """A new MLflow run's params, resolved config, overrides, data fingerprint, code and environment."""
+    c, spec, plain = job.cfg, job.spec, job.plain
     params = dict(flatten(plain), **spec.counts)
     params["train.accum_steps"] = spec.accum_steps  # derived: batch_size / (world_size · micro_batch_size)
     params["train.world_size"] = spec.world_size  # processes (torchrun); the batch is global whatever it is
     tracker.log_params(params)
     tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(plain)), "config/resolved.yaml")
-    tracker.log_text("\n".join(overrides) + "\n", "config/overrides.txt")
-    tracker.log_dict(data.fingerprint, "data/fingerprint.json")
+    tracker.log_text("\n".join(job.overrides) + "\n", "config/overrides.txt")
+    tracker.log_dict(job.data.fingerprint, "data/fingerprint.json")
     if c.tracking.log_code:
         provenance.log_code(tracker)
         tracker.set_tags({"attnres.code_digest": provenance.code_state().digest,
@@ -530,7 +643,7 @@ def _data_changed(record: dict | None, data: TokenData) -> str | None:
     """Why a recorded run cannot continue or stand for this data, or None. A run folder is keyed
     by the config, which names the data (a path, a corpus) but not its bytes: a file edited since
     the run started would be resumed, or answered with the old result, under the old fingerprint.
-    (Records written before the fingerprint was kept are not checked.)"""
+    A record that holds no fingerprint is not checked."""
     before, now = (record or {}).get("data_sha256"), data.fingerprint.get("sha256")
     if not before or not now or before == now:
         return None
@@ -542,7 +655,7 @@ def _code_changed(record: dict | None, now: dict[str, str]) -> str | None:
     """What changed in the run's code (provenance.RUN_CODE) since a finished or resumable run
     recorded it, or None. A run folder is keyed by the config, not the code: without this a rerun
     answers "already finished" with the old code's number, or resumes it under new code silently.
-    (Records written before the code was kept are not checked.)"""
+    A record that holds no code files is not checked."""
     if not record or not record.get("code_files") or record.get("status") not in ("finished", "running", "interrupted"):
         return None
     files = provenance.changed_code_files(record["code_files"], now)

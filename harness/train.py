@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
 from contextlib import nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from attnres import DecoderLM
-from harness import distributed, instrument, pruning
+from harness import distributed, dynamics, pruning
 from harness.config import RunSpec, rank, to_plain
 from harness.data import MultiHopProbe, TokenData, val_batches
 from harness.data.multihop import answers_only
 from harness.optim import build_optimizer, lr_multiplier, set_lr
-
-KILL_ENV = "ATTNRES_TEST_KILL_AT_STEP"  # tests: os._exit(137) after step N, flushing nothing, as kill -9 does
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +77,55 @@ def set_rng_state(state: dict[str, Any], cuda: bool = True) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass
+class LogWindow:
+    """The steps since the last log, which train/loss and train/grad_norm average, and the steps
+    timed in this attempt, which tokens/s counts."""
+
+    loss: float
+    norm: torch.Tensor  # summed on the device and read at log time only: no extra sync
+    steps: int
+    seconds: float = 0.0
+    timed_steps: int = 0
+
+    @classmethod
+    def resumed(cls, kept: tuple[float, float, int], device: torch.device) -> LogWindow:
+        loss, norm, steps = kept
+        return cls(loss, torch.full((), norm, device=device), steps)
+
+    def add(self, loss: float, norm: torch.Tensor, seconds: float) -> None:
+        self.seconds += seconds
+        self.timed_steps += 1
+        self.loss += loss
+        self.norm += norm.detach()
+        self.steps += 1
+
+    def clear(self) -> None:
+        self.loss, self.steps, self.seconds, self.timed_steps = 0.0, 0, 0.0, 0
+        self.norm.zero_()
+
+    def kept(self) -> tuple[float, float, int]:
+        """What a checkpoint keeps, so that a run resumed between two logs reports the same mean."""
+        return (self.loss, float(self.norm), self.steps)
+
+
+@dataclass
+class StepEnd:
+    """An optimizer step just taken, as the callbacks after it see it."""
+
+    lr: float
+    loss: float  # the step's training loss (mean over micro-batches and ranks)
+    dynamics_due: bool
+    grad_norms: list[float] | None  # per block, before clipping, where dynamics_due
+    tokens: int  # trained on so far
+    window: LogWindow
+    bar: Any  # the progress bar
+    stop: bool = False  # set by Trainer._agree_on_stop
+
+
 class Trainer:
+    """One run's model, optimizer and loop: fit() takes the steps, after_step's callbacks the rest."""
+
     def __init__(self, spec: RunSpec, data: TokenData, tracker, folder=None, label: str = "run"):
         self.spec, self.cfg, self.tracker, self.folder, self.label = spec, spec.cfg, tracker, folder, label
         self.plain_config = to_plain(spec.cfg)
@@ -114,14 +160,17 @@ class Trainer:
         self.best_val = math.inf
         self.last_val = math.nan
         self.elapsed = 0.0  # seconds in the loop, summed over attempts (resumes)
-        self.history: list[instrument.Record] = []
-        self._kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
+        self.history: list[dynamics.Record] = []
         self._stop_requested = False
         self.stop_reason = "on request"  # set by request_stop: what the job reports
         self.checkpoint_failures = 0
         # train/loss and train/grad_norm average the steps since the last log: (loss sum, norm
         # sum, steps), checkpointed so that a run resumed between two logs reports the same mean
         self.log_window = (0.0, 0.0, 0)
+        self._started = 0.0  # perf_counter() at step 0 of this run, counting earlier attempts
+        self.after_step: list[Callable[[StepEnd], None]] = [
+            self._log_training, self._record_dynamics, self._validate_when_due, self._agree_on_stop,
+            self._checkpoint_when_due]
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -146,7 +195,7 @@ class Trainer:
         self.parallel.load_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.step, self.best_val, self.last_val = state["step"], state["best_val"], state["last_val"]
         self.elapsed, self.history = state["elapsed"], list(state["history"])
-        self.log_window = tuple(state.get("log_window", (0.0, 0.0, 0)))  # absent before it was kept
+        self.log_window = tuple(state["log_window"])
         set_rng_state(state["rng"], cuda=self.spec.parallel is None)
 
     def export_model(self) -> torch.nn.Module | None:
@@ -220,95 +269,112 @@ class Trainer:
         self.best_val = min(self.best_val, loss)
         pruning.report(self.step, loss)  # raises pruning.TrialPruned when a sweep says stop
 
-    def _instrument(self, grad_norms: list[float] | None) -> None:
-        rec = instrument.record(self.model, self.instrument_x, self.step, grad_norms)
-        self.history.append(rec)
-        self.tracker.log_metrics(instrument.metrics(rec), self.step)
-        self.tracker.log_dict(rec, instrument.artifact_name(self.step))
-
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        spec, t = self.spec, self.cfg.train
-        total, accum = spec.steps, spec.accum_steps
-        # A stop asked for before training began (while the checkpoint loaded or the MLflow run
-        # opened) stops here: what is on disk is already this step's state, and a first step
-        # (a torch.compile on a GPU: minutes) could outlast the scheduler's grace period. Every
-        # rank takes part in the decision, so none enters a step the others skip.
-        if self.parallel.sums(float(self._stop_requested))[0] > 0:
-            raise StopRequested(f"stopped at step {self.step} of {total} before training" + RESUME_HINT)
+        """Train from self.step to spec.steps; the final metrics. A stop request ends it after the
+        current step, with a checkpoint (StopRequested)."""
+        total = self.spec.steps
+        self._stop_before_training()
         batches = self.parallel.train_batches(self.data.train, self.step)  # this rank's micro-batches
         bar = tqdm(total=total, initial=self.step, desc=self.label, unit="step", dynamic_ncols=True,
-                   disable=not t.progress or rank() != 0, leave=False)
-        window_loss, norm_sum, window_steps = self.log_window
-        window_time, timed_steps = 0.0, 0  # tokens/s from the steps timed in this attempt
-        window_norm = torch.full((), norm_sum, device=self.device)  # read at log time only: no extra sync
-        started = time.perf_counter() - self.elapsed
+                   disable=not self.cfg.train.progress or rank() != 0, leave=False)
+        window = LogWindow.resumed(self.log_window, self.device)
+        self._started = time.perf_counter() - self.elapsed
         self.model.train()
         try:
             while self.step < total:
-                tic = time.perf_counter()
-                lr = set_lr(self.optimizer, lr_multiplier(self.cfg.schedule, self.step, total))
-                loss_sum = torch.zeros((), device=self.device)
-                for i in range(accum):
-                    x, y = next(batches)
-                    y = self.targets(x, y)
-                    x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                    with self.parallel.gradient_sync(last_micro_batch=i == accum - 1):  # DDP: once per step
-                        with self._autocast():
-                            _, loss = self.forward(x, y)
-                        (loss / accum).backward()
-                    loss_sum += loss.detach()
-                # the one sync of the step; under torchrun the mean over ranks, and the ranks
-                # agree on a stop request in the same all-reduce
-                step_loss = self.parallel.step_loss(loss_sum, accum, self._stop_requested)
-                if not math.isfinite(step_loss):
-                    raise NonFiniteLoss(f"non-finite training loss ({step_loss}) at step {self.step + 1}",
-                                        self.step + 1)
-                instrument_now = _due(self.step + 1, t.instrument_interval, total)
-                grad_norms = self.parallel.grad_norm_per_block(self.model) if instrument_now else None
-                clip = self.cfg.optim.grad_clip
-                norm = self.parallel.clip_grad_norm(self.model, clip if clip > 0 else math.inf)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.step += 1
-                window_time += time.perf_counter() - tic
-                timed_steps += 1
-                window_loss += step_loss
-                window_norm += norm.detach()
-                window_steps += 1
-                tokens = self.step * spec.tokens_per_step
-
-                if _due(self.step, t.log_interval, total):
-                    tok_s = timed_steps * spec.tokens_per_step / max(window_time, 1e-9)
-                    self.tracker.log_metrics({
-                        "train/loss": window_loss / window_steps,
-                        "train/lr": lr,
-                        "train/grad_norm": float(window_norm) / window_steps,
-                        "train/tokens": tokens,
-                        "train/flops": tokens * self.flops_per_token,
-                        "train/tokens_per_s": tok_s,
-                    }, self.step)
-                    bar.set_postfix(loss=f"{window_loss / window_steps:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-                    window_loss, window_steps, window_time, timed_steps = 0.0, 0, 0.0, 0
-                    window_norm.zero_()
-                if instrument_now:
-                    self._instrument(grad_norms)
-                if _due(self.step, t.eval_interval, total):
-                    self._validate(tokens)
-                    bar.set_postfix(loss=f"{step_loss:.4f}", val=f"{self.last_val:.4f}", refresh=False)
-                self.elapsed = time.perf_counter() - started
-                stop = self.parallel.stop_now(self._stop_requested)  # the same on every rank
-                if _due(self.step, t.checkpoint_interval, total) or stop:
-                    self.log_window = (window_loss, float(window_norm), window_steps)
-                    self._checkpoint()
+                end = self._train_step(batches, window, bar)
+                for callback in self.after_step:  # metrics, dynamics, validation, stop, checkpoint
+                    callback(end)
                 bar.update(1)
-                if self.step == self._kill_at:
-                    os._exit(137)  # test hook: die like kill -9 (nothing flushed, nothing closed)
-                if stop:
+                if end.stop:
                     raise StopRequested(f"stopped at step {self.step} of {total}" + RESUME_HINT)
         finally:
             bar.close()
         return self.final_metrics()
+
+    def _stop_before_training(self) -> None:
+        # A stop asked for while the checkpoint loaded or the MLflow run opened stops here: what is
+        # on disk is already this step's state, and a first step (a torch.compile on a GPU) could
+        # outlast the scheduler's grace period. Every rank takes part, so none enters a step the
+        # others skip.
+        if self.parallel.sums(float(self._stop_requested))[0] > 0:
+            raise StopRequested(f"stopped at step {self.step} of {self.spec.steps} before training" + RESUME_HINT)
+
+    def _train_step(self, batches, window: LogWindow, bar) -> StepEnd:
+        """One optimizer step: the gradients of a global batch, clipped, applied."""
+        total = self.spec.steps
+        tic = time.perf_counter()
+        lr = set_lr(self.optimizer, lr_multiplier(self.cfg.schedule, self.step, total))
+        step_loss = self._gradients(batches)
+        dynamics_due = _due(self.step + 1, self.cfg.train.instrument_interval, total)
+        grad_norms = self.parallel.grad_norm_per_block(self.model) if dynamics_due else None
+        clip = self.cfg.optim.grad_clip
+        norm = self.parallel.clip_grad_norm(self.model, clip if clip > 0 else math.inf)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        window.add(step_loss, norm, time.perf_counter() - tic)
+        return StepEnd(lr, step_loss, dynamics_due, grad_norms, self.step * self.spec.tokens_per_step, window, bar)
+
+    def _gradients(self, batches) -> float:
+        """Forward and backward over the step's micro-batches; the step's training loss."""
+        accum = self.spec.accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        for i in range(accum):
+            x, y = next(batches)
+            y = self.targets(x, y)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self.parallel.gradient_sync(last_micro_batch=i == accum - 1):  # DDP: once per step
+                with self._autocast():
+                    _, loss = self.forward(x, y)
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+        # the one sync of the step; under torchrun the mean over ranks, and the ranks agree on a
+        # stop request in the same all-reduce
+        step_loss = self.parallel.step_loss(loss_sum, accum, self._stop_requested)
+        if not math.isfinite(step_loss):
+            raise NonFiniteLoss(f"non-finite training loss ({step_loss}) at step {self.step + 1}", self.step + 1)
+        return step_loss
+
+    # -- after each step, in order (self.after_step) ----------------------------------------------
+    def _log_training(self, end: StepEnd) -> None:
+        if not _due(self.step, self.cfg.train.log_interval, self.spec.steps):
+            return
+        window = end.window
+        tok_s = window.timed_steps * self.spec.tokens_per_step / max(window.seconds, 1e-9)
+        self.tracker.log_metrics({
+            "train/loss": window.loss / window.steps,
+            "train/lr": end.lr,
+            "train/grad_norm": float(window.norm) / window.steps,
+            "train/tokens": end.tokens,
+            "train/flops": end.tokens * self.flops_per_token,
+            "train/tokens_per_s": tok_s,
+        }, self.step)
+        end.bar.set_postfix(loss=f"{window.loss / window.steps:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+        window.clear()
+
+    def _record_dynamics(self, end: StepEnd) -> None:
+        if not end.dynamics_due:
+            return
+        rec = dynamics.record(self.model, self.instrument_x, self.step, end.grad_norms)
+        self.history.append(rec)
+        self.tracker.log_metrics(dynamics.metrics(rec), self.step)
+        self.tracker.log_dict(rec, dynamics.artifact_name(self.step))
+
+    def _validate_when_due(self, end: StepEnd) -> None:
+        if _due(self.step, self.cfg.train.eval_interval, self.spec.steps):
+            self._validate(end.tokens)
+            end.bar.set_postfix(loss=f"{end.loss:.4f}", val=f"{self.last_val:.4f}", refresh=False)
+
+    def _agree_on_stop(self, end: StepEnd) -> None:
+        self.elapsed = time.perf_counter() - self._started
+        end.stop = self.parallel.stop_now(self._stop_requested)  # the same on every rank
+
+    def _checkpoint_when_due(self, end: StepEnd) -> None:
+        if _due(self.step, self.cfg.train.checkpoint_interval, self.spec.steps) or end.stop:
+            self.log_window = end.window.kept()
+            self._checkpoint()
 
     def final_metrics(self) -> dict[str, float]:
         tokens = self.step * self.spec.tokens_per_step

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hydra.experimental.callback import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,9 +76,41 @@ def isolated(tmp: Path) -> list[str]:
     ]
 
 
+def kill_at_step(step: int) -> list[str]:
+    """Overrides that make run.py die like kill -9 right after training step `step` (KillAtStep);
+    the run needs tests/ importable (tests_importable)."""
+    return ["+hydra.callbacks.kill_at_step._target_=harness_testing.KillAtStep",
+            f"+hydra.callbacks.kill_at_step.step={step}"]
+
+
+def tests_importable(env: dict) -> dict:
+    """`env` with this folder on PYTHONPATH, for a job whose Hydra callbacks live here."""
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), env.get("PYTHONPATH")) if p)
+    return dict(env, PYTHONPATH=path)
+
+
+class KillAtStep(Callback):
+    """A Hydra callback (kill_at_step): once the job starts, every Trainer it builds ends the
+    process with os._exit(137) after step `step`, nothing flushed or closed, as kill -9 does."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_job_start(self, config, **kwargs) -> None:
+        from harness.train import Trainer
+
+        build, step = Trainer.__init__, self.step
+
+        def build_then_arm(trainer, *args, **kw):
+            build(trainer, *args, **kw)
+            trainer.after_step.append(lambda end: os._exit(137) if trainer.step == step else None)
+
+        Trainer.__init__ = build_then_arm
+
+
 def run_cli(args: list[str], tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python run.py ARGS` in the project root, its files in `tmp`."""
-    full_env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0", **(env or {}))
+    full_env = tests_importable(dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0", **(env or {})))
     full_env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args, *isolated(tmp)], cwd=ROOT, env=full_env,

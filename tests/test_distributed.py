@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness_testing import ROOT, TINY, client, compose, run_cli, runs
+from harness_testing import ROOT, TINY, client, compose, kill_at_step, run_cli, runs, tests_importable
 
 TORCHRUN = shutil.which("torchrun")
 STEPS = 10
@@ -129,14 +129,15 @@ def test_a_rank_other_than_0_opens_no_mlflow_run_and_writes_no_file(monkeypatch,
     from harness.checkpoint import RunFolder
     from harness.config import validate
     from harness.data import load_data
-    from harness.job import _open_tracker
+    from harness.job import Job, _open_tracker
     from harness.tracking import NullTracker
     from harness.train import Trainer
 
     _with_env(monkeypatch, RANK="1")
     spec = validate(compose([*TINY, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]))
     data = load_data(spec.cfg.data, spec.cfg.train.seq_len)
-    tracker = _open_tracker(spec, {}, data, "label", None, None, False, None, [])
+    job = Job(spec, {}, data, RunFolder(tmp_path / "run", read_only=True), multirun=False, output_dir=None, overrides=[])
+    tracker = _open_tracker(job, None, None)
     assert isinstance(tracker, NullTracker) and not (tmp_path / "mlflow.db").exists()
 
     (tmp_path / "run").mkdir()
@@ -277,7 +278,7 @@ def test_fsdp_computes_what_one_process_computes_and_resumes_under_ddp(tmp_path)
     two.mkdir()
     single = run_cli(ARGS, one)
     assert single.returncode == 0, single.stderr[-3000:]
-    killed = _torchrun([*ARGS, "train.distributed=fsdp"], two, env={"ATTNRES_TEST_KILL_AT_STEP": "7"})
+    killed = _torchrun([*ARGS, "train.distributed=fsdp", *kill_at_step(7)], two, env=tests_importable(dict(os.environ)))
     code, stderr = _finish(killed)
     assert code != 0 and "exitcode  : 137" in stderr, stderr[-5000:]
     assert torch.load(next((two / "ckpt").rglob("last.pt")), weights_only=True)["step"] == 5

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import instrument
+from harness import dynamics
 from harness_testing import TINY, artifacts, client, metric_steps, run_cli, runs
 
 VARIANTS = ("baseline", "block", "full")
@@ -93,7 +93,7 @@ def test_instrumentation_json_follows_the_schema(multirun):
         else:  # readers: 4 sublayers + the output read
             assert len(rec["depth_weights"]) == 5 and len(rec["depth_entropy"]) == 5
             assert [m.step for m in entropy] == [3, 6] and all(0.0 <= m.value <= 1.0 + 1e-9 for m in entropy)
-            assert entropy[-1].value == pytest.approx(instrument.relative_entropy(rec), rel=1e-12)
+            assert entropy[-1].value == pytest.approx(dynamics.relative_entropy(rec), rel=1e-12)
 
 
 def test_relative_entropy_of_a_record():
@@ -101,11 +101,11 @@ def test_relative_entropy_of_a_record():
     of the sources it sees (NaN = not visible): uniform is 1, one source 0."""
     nan, ln2, ln3 = float("nan"), math.log(2), math.log(3)
     rec = {"depth_weights": [[1, nan, nan], [0.5, 0.5, nan], [0.2, 0.3, 0.5]], "depth_entropy": [0.0, ln2, 0.0]}
-    assert instrument.relative_entropy(rec) == pytest.approx(0.5, abs=1e-15)
+    assert dynamics.relative_entropy(rec) == pytest.approx(0.5, abs=1e-15)
     rec["depth_entropy"] = [0.0, ln2 / 2, ln3]
-    assert instrument.relative_entropy(rec) == pytest.approx(0.75, abs=1e-15)
-    assert instrument.relative_entropy({"depth_weights": None, "depth_entropy": None}) is None
-    assert instrument.relative_entropy({"depth_weights": [[1.0]], "depth_entropy": [0.0]}) is None
+    assert dynamics.relative_entropy(rec) == pytest.approx(0.75, abs=1e-15)
+    assert dynamics.relative_entropy({"depth_weights": None, "depth_entropy": None}) is None
+    assert dynamics.relative_entropy({"depth_weights": [[1.0]], "depth_entropy": [0.0]}) is None
 
 
 def test_runs_with_depth_weights_carry_the_page_the_explorer_command_makes(multirun, tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from harness_testing import TINY, client, compose, isolated, metric_steps, process_state_kept, run_cli, runs
+from harness_testing import TINY, client, compose, isolated, kill_at_step, metric_steps, process_state_kept, run_cli, runs
 
 # 8 steps, checkpoints every 3: the kill after step 5 loses steps 4-5 (logged or not) and the
 # resumed run recomputes them from the step-3 checkpoint.
@@ -37,7 +37,7 @@ def resumed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resumed")
     # Flushing every metric at once puts steps 4-5 in MLflow before the kill: the resumed run
     # recomputes them from the step-3 checkpoint and must not log them twice.
-    killed = run_cli([*ARGS, "tracking.flush_seconds=0"], tmp, env={"ATTNRES_TEST_KILL_AT_STEP": "5"})
+    killed = run_cli([*ARGS, "tracking.flush_seconds=0", *kill_at_step(5)], tmp)
     assert killed.returncode == 137, killed.stderr[-3000:]
     (run,) = runs(tmp)
     assert run.info.status == "RUNNING"  # killed: nobody ended it
@@ -85,7 +85,7 @@ def test_a_resume_between_two_logs_reports_the_same_training_means(tmp_path):
     exactly as without the interruption (it covered step 4 alone)."""
     args = [*ARGS, "train.log_interval=2"]
     _in_process(args, tmp_path / "u")
-    killed = run_cli(args, tmp_path / "r", env={"ATTNRES_TEST_KILL_AT_STEP": "5"})
+    killed = run_cli([*args, *kill_at_step(5)], tmp_path / "r")
     assert killed.returncode == 137, killed.stderr[-3000:]
     _in_process(args, tmp_path / "r")
     (run_u,), (run_r,) = runs(tmp_path / "u"), runs(tmp_path / "r")
@@ -102,7 +102,7 @@ def test_data_edited_since_the_run_started_is_refused_not_resumed(tmp_path, caps
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 800)
     args = [*ARGS, "data=text", f"data.path={corpus}"]
-    killed = run_cli(args, tmp_path, env={"ATTNRES_TEST_KILL_AT_STEP": "5"})
+    killed = run_cli([*args, *kill_at_step(5)], tmp_path)
     assert killed.returncode == 137, killed.stderr[-3000:]
     corpus.write_text(corpus.read_text().upper())
     capsys.readouterr()

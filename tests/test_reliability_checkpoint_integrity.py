@@ -10,7 +10,7 @@ import torch
 
 from harness import checkpoint, job
 from harness.config import to_plain, validate
-from harness_testing import TINY, client, compose, isolated, metric_steps, process_state_kept, run_cli, runs
+from harness_testing import TINY, client, compose, isolated, kill_at_step, metric_steps, process_state_kept, run_cli, runs
 
 # 6 steps, checkpoints at 2 and 4: a kill after step 5 leaves last.pt (step 4) and previous.pt (step 2)
 ARGS = [*TINY, "tracking.log_code=false", "tracking.log_env=false", "tracking.log_model=false",
@@ -139,7 +139,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_a_flipped_byte_in_last_pt_resumes_from_previous_and_ends_with_the_right_result(tmp_path, uninterrupted):
-    killed = run_cli([*ARGS, "tracking.flush_seconds=0"], tmp_path, env={"ATTNRES_TEST_KILL_AT_STEP": "5"})
+    killed = run_cli([*ARGS, "tracking.flush_seconds=0", *kill_at_step(5)], tmp_path)
     assert killed.returncode == 137, killed.stderr[-3000:]
     (last,) = (tmp_path / "ckpt").rglob("last.pt")
     assert torch.load(last, weights_only=True)["step"] == 4
@@ -175,7 +175,7 @@ def test_a_foreign_checkpoint_is_refused_and_the_folder_stays_rerunnable(tmp_pat
 
 
 def test_a_refused_resume_then_resume_false_ends_the_old_run_killed(tmp_path):
-    killed = run_cli(ARGS, tmp_path, env={"ATTNRES_TEST_KILL_AT_STEP": "3"})
+    killed = run_cli([*ARGS, *kill_at_step(3)], tmp_path)
     assert killed.returncode == 137, killed.stderr[-3000:]
     (old,) = runs(tmp_path)
     assert old.info.status == "RUNNING"

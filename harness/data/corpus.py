@@ -95,12 +95,7 @@ def load_corpus(
     `spans[split]` lists [relative path, start, end] of each file's tokens in that split, so later
     checks can name the file a bad token came from.
     """
-    if not files and root.is_file():  # os.walk of a file finds nothing: say what it is, not "empty"
-        raise DataError(f"data.path={root}: is a file, and data.name={source} reads a folder; allowed: "
-                        "a folder, or data.name=text for a single file")
-    if not files:
-        what = ".py files" if source == "stdlib" else "files"
-        raise DataError(f"{root}: empty corpus, no {what} found (data.name={source})")
+    _refuse_no_files(source, root, files)
     stats = [(rel, p.stat()) for rel, p in files]
     by_position = sum(st.st_size > 0 for _, st in stats) == 1  # one file with text (empty ones aside)
     # Size and mtime alone miss a file replaced by one of the same size with its mtime kept
@@ -113,7 +108,63 @@ def load_corpus(
     hit = cache.load(key)
     if hit is not None:
         return hit
+    bufs, spans, digest = _split(files, val_fraction, max_bytes, require_utf8, by_position, source, root)
+    fingerprint = {
+        "source": source,
+        "root": str(root),
+        "files": len(files),
+        "train_files": len(spans["train"]),
+        "val_files": len(spans["val"]),
+        "bytes": len(bufs["train"]) + len(bufs["val"]),
+        "train_tokens": len(bufs["train"]),
+        "val_tokens": len(bufs["val"]),
+        "sha256": digest,
+        "tokenizer": "bytes",
+        "split": "by_position" if by_position else "by_file",
+        "val_fraction": val_fraction,
+        "max_bytes": max_bytes,
+    }
+    if source == "stdlib":
+        fingerprint["python"] = platform.python_version()
+    entry = {
+        "train": _to_tensor(bufs["train"]),
+        "val": _to_tensor(bufs["val"]),
+        "fingerprint": fingerprint,
+        "spans": spans,
+    }
+    cache.store(key, entry)
+    return entry
 
+
+def _refuse_no_files(source: str, root: Path, files: list[tuple[str, Path]]) -> None:
+    if not files and root.is_file():  # os.walk of a file finds nothing: say what it is, not "empty"
+        raise DataError(f"data.path={root}: is a file, and data.name={source} reads a folder; allowed: "
+                        "a folder, or data.name=text for a single file")
+    if not files:
+        what = ".py files" if source == "stdlib" else "files"
+        raise DataError(f"{root}: empty corpus, no {what} found (data.name={source})")
+
+
+def _read(path: Path, require_utf8: bool) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if require_utf8:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                "data.name=text reads UTF-8 files"
+            ) from None
+    return data
+
+
+def _split(files: list[tuple[str, Path]], val_fraction: float, max_bytes: Optional[int], require_utf8: bool,
+           by_position: bool, source: str, root: Path) -> tuple[dict[str, bytearray], dict[str, list], str]:
+    """(bytes by split, spans by split, sha256 of both): whole files to one split, or one file cut
+    at its end (by_position), each split capped at its share of max_bytes."""
     train_cap, val_cap = _caps(val_fraction, max_bytes)
     val_rels = set() if by_position else held_out([rel for rel, _ in files], val_fraction)
     bufs = {"train": bytearray(), "val": bytearray()}
@@ -122,19 +173,8 @@ def load_corpus(
     digest = hashlib.sha256()
     total = 0
     for rel, path in files:
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+        data = _read(path, require_utf8)
         total += len(data)
-        if require_utf8:
-            try:
-                data.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                    "data.name=text reads UTF-8 files"
-                ) from None
         if by_position:
             cut = len(data) - max(1, round(len(data) * val_fraction)) if data else 0
             pieces = [("train", data[:cut]), ("val", data[cut:])]
@@ -152,29 +192,4 @@ def load_corpus(
             buf += piece
     if total == 0:
         raise DataError(f"{root}: empty corpus, {len(files)} files but 0 bytes (data.name={source})")
-
-    fingerprint = {
-        "source": source,
-        "root": str(root),
-        "files": len(files),
-        "train_files": len(spans["train"]),
-        "val_files": len(spans["val"]),
-        "bytes": len(bufs["train"]) + len(bufs["val"]),
-        "train_tokens": len(bufs["train"]),
-        "val_tokens": len(bufs["val"]),
-        "sha256": digest.hexdigest(),
-        "tokenizer": "bytes",
-        "split": "by_position" if by_position else "by_file",
-        "val_fraction": val_fraction,
-        "max_bytes": max_bytes,
-    }
-    if source == "stdlib":
-        fingerprint["python"] = platform.python_version()
-    entry = {
-        "train": _to_tensor(bufs["train"]),
-        "val": _to_tensor(bufs["val"]),
-        "fingerprint": fingerprint,
-        "spans": spans,
-    }
-    cache.store(key, entry)
-    return entry
+    return bufs, spans, digest.hexdigest()
