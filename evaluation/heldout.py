@@ -25,6 +25,13 @@ def heldout_metrics(
     """{"loss", "perplexity", "bits_per_byte" (when the tokenizer is known), "tokens"}."""
     from harness.data import val_batches
 
+    # Data of another tokenizer (`--data` naming GPT-2 shards for a byte model) failed deep in the
+    # embedding ("index out of range in self"); said here, naming both vocabularies.
+    top = int(val_tokens.numpy().max() if val_tokens.dtype == torch.uint16 else val_tokens.max()) if val_tokens.numel() else 0
+    if top >= model.config.vocab_size:
+        raise ValueError(f"the validation split holds token {top}, beyond the model's vocabulary of "
+                         f"{model.config.vocab_size} (model.vocab_size): data of another tokenizer; allowed: the "
+                         "data the model was trained on, or its tokenizer's")
     device = next(model.parameters()).device
     byte_len = None
     if tokenizer is not None:

@@ -314,3 +314,19 @@ def test_the_probe_scores_a_model_whose_context_is_one_aligned_example():
         else:
             with pytest.raises(ValueError):
                 probe_metrics(model, cfg)
+
+
+def test_data_of_another_tokenizer_is_one_line_before_the_model_runs(setup, tmp_path, capsys):
+    """GPT-2 shards for a byte model: the embedding's IndexError ("index out of range in self",
+    exit 1) after the data loaded; now one line naming both vocabularies, exit 2, nothing logged."""
+    from harness.data import write_shard
+
+    for split in ("train", "val"):
+        write_shard(tmp_path / f"g_{split}_000000.bin", [300, 5, 7] * 200)
+    before = metrics_of(setup)
+    code = main([setup["run_id"], "--tracking-uri", setup["uri"], "--data", "name=shards", "--data", f"path={tmp_path}",
+                 "--data", "vocab_size=50257"])
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("evaluation:")]  # (MLflow's bar aside)
+    assert code == 2 and len(err) == 1 and "token 300" in err[0] and "vocabulary of 256" in err[0], err
+    assert metrics_of(setup) == before
+
