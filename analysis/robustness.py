@@ -27,7 +27,7 @@ import yaml
 from . import adaptive
 from .adaptive import Plan
 from .runs import AnalysisInputError, _client, latest_per_config, load_runs
-from .significance import by_seed, seeds_needed_paired
+from .significance import by_seed, seeds_needed_paired, t_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,27 +237,43 @@ def _sign(st: adaptive.Status) -> int | None:
     return -1 if st.diff + st.half < 0 else 1 if st.diff - st.half > 0 else 0
 
 
-def _sd_diff(runs: pd.DataFrame, a: str, b: str, seeds) -> float:
-    sa = by_seed(runs.loc[runs["variant"] == a, "final_val_loss"], runs.loc[runs["variant"] == a, "seed"])
-    sb = by_seed(runs.loc[runs["variant"] == b, "final_val_loss"], runs.loc[runs["variant"] == b, "seed"])
-    d = (sa - sb).reindex([float(s) for s in seeds]).dropna()
-    return float(d.std(ddof=1)) if len(d) >= 2 else float("nan")
+def _diffs(runs: pd.DataFrame, a: str, b: str, seeds) -> pd.Series:
+    """Same-seed differences a − b over the plan's ``seeds`` that both have."""
+    va, vb = (runs[runs["variant"] == v] for v in (a, b))
+    d = by_seed(va["final_val_loss"], va["seed"]) - by_seed(vb["final_val_loss"], vb["seed"])
+    return d.reindex([float(x) for x in seeds]).dropna()
 
 
-def judge(runs: pd.DataFrame, decl: Declaration, sweeps: bool = True) -> pd.DataFrame:
+def _keyed(at: pd.DataFrame, decl: Declaration, keys: dict | None) -> pd.DataFrame:
+    """The runs of ``at`` the setting's resolved run keys allow: the experiment's must carry the
+    key their (variant, seed) resolves to (adaptive.resolve_keys); None allows every run."""
+    if keys is None or at.empty:
+        return at
+    want = [keys.get((v, int(s))) for v, s in zip(at["variant"], at["seed"])]
+    ours = at["run_key"].eq(pd.Series(want, index=at.index, dtype=object))
+    return at[(at["sweep"] != decl.experiment) | ours]
+
+
+def judge(runs: pd.DataFrame, decl: Declaration, sweeps: bool = True,
+          keys: dict[str, dict] | None = None) -> pd.DataFrame:
     """One row per comparison × setting: the adaptive rule's state at that setting, the σ of its
     same-seed differences (over the seeds of the plan) and its sign (+1, −1, 0, or NaN: open).
-    ``sweeps=False``: every run of ``runs`` is a candidate, whatever its sweep."""
+    Before its first look a setting shows the pairs it has, at the look level (not a verdict).
+    ``sweeps=False``: every run of ``runs`` is a candidate, whatever its sweep; ``keys``: {setting
+    label: resolved run keys} (`resolve`), which the experiment's runs must carry."""
     pool = candidates(runs, decl if sweeps else None)
-    rows = []
+    plan, rows = decl.plan, []
     for setting in decl.settings:
-        at = pool[_at(pool, setting)]
-        for st in adaptive.evaluate(at, decl.plan):
+        at = _keyed(pool[_at(pool, setting)], decl, (keys or {}).get(setting.label))
+        for st in adaptive.evaluate(at, plan):
+            d = _diffs(at, st.a, st.b, plan.seeds(plan.max_seeds))
+            if not st.n and len(d):
+                st.diff, st.half, st.n = t_interval(d, plan.look_level)
             rows.append({"comparison": f"{st.a} − {st.b}", "a": st.a, "b": st.b,
                          "setting": setting.label, "knob": setting.knob or "",
                          "seeds": st.n, "diff": st.diff, "half_width": st.half,
-                         "level": decl.plan.look_level,
-                         "sd_diff": _sd_diff(at, st.a, st.b, decl.plan.seeds(decl.plan.max_seeds)),
+                         "level": plan.look_level,
+                         "sd_diff": float(d.std(ddof=1)) if len(d) >= 2 else float("nan"),
                          "sign": np.nan if _sign(st) is None else _sign(st),
                          "verdict": st.verdict, "need": st.need})
     return pd.DataFrame(rows)
@@ -322,21 +338,38 @@ def _all_runs(known: pd.DataFrame, uri: str, decl: Declaration) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True).drop_duplicates("run_id", keep="last")
 
 
-def _todo(decl: Declaration, setting: Setting, known: pd.DataFrame, uri: str) -> dict[int, list[str]]:
+def resolve(decl: Declaration, uri: str) -> dict[str, dict]:
+    """{setting label: {(variant, seed): run key}} that --train would train, resolved by the
+    harness in a child process; a declaration whose runs do not compose is AnalysisInputError."""
+    out = {}
+    for setting in decl.settings:
+        try:
+            out[setting.label] = adaptive.resolve_keys(decl.plan, [*_base(decl, uri), *decl.run_overrides(setting)])
+        except adaptive.AdaptiveInputError as exc:
+            raise AnalysisInputError(f"setting {setting.label}: {exc}") from None
+    return out
+
+
+def _base(decl: Declaration, uri: str) -> list[str]:
+    return [f"sweep.name={decl.experiment}", f"tracking.uri={uri}"]
+
+
+def _todo(decl: Declaration, setting: Setting, known: pd.DataFrame, uri: str, keys: dict) -> dict[int, list[str]]:
     """{seed: variants} the setting's next looks still need."""
     pool = candidates(_all_runs(known, uri, decl), decl)
-    at = pool[_at(pool, setting)]
+    at = _keyed(pool[_at(pool, setting)], decl, keys[setting.label])
     return adaptive.jobs(adaptive.evaluate(at, decl.plan), at)
 
 
-def train(decl: Declaration, uri: str, known: pd.DataFrame, lanes: int = 2,
+def train(decl: Declaration, uri: str, known: pd.DataFrame, keys: dict, lanes: int = 2,
           budget_minutes: float | None = None, log=sys.stdout) -> int:
     """Train each setting's missing seeds, setting by setting, until its comparisons stop (or the
-    budget is spent: no new round starts after it); the number of runs launched."""
+    budget is spent: no new round starts after it); the number of runs launched. A run of the
+    experiment counts only with the run key ``keys`` (`resolve`) gives it."""
     start, trained = time.monotonic(), 0
-    base = [f"sweep.name={decl.experiment}", f"tracking.uri={uri}"]
+    base = _base(decl, uri)
     for setting in decl.settings:
-        todo = _todo(decl, setting, known, uri)
+        todo = _todo(decl, setting, known, uri, keys)
         while todo:
             if budget_minutes is not None and time.monotonic() - start > 60 * budget_minutes:
                 print(f"budget: --budget-minutes {budget_minutes:g} spent", file=log)
@@ -345,7 +378,7 @@ def train(decl: Declaration, uri: str, known: pd.DataFrame, lanes: int = 2,
             print(f"{setting.label}: training {n} runs", file=log, flush=True)
             failed = adaptive._launch(todo, base + decl.run_overrides(setting), lanes, log)
             trained += n
-            before, todo = todo, _todo(decl, setting, known, uri)
+            before, todo = todo, _todo(decl, setting, known, uri, keys)
             if todo == before:  # nothing new finished: another round would do the same
                 raise RuntimeError(f"no run of {setting.label} was found finished after training "
                                    f"({failed} failed); see the messages above")
@@ -378,15 +411,15 @@ def main(args, default_uri: str) -> int:
     known = import_snapshot(args.snapshot).runs if args.snapshot else pd.DataFrame()
     if not args.train and args.tracking_uri:
         _client(uri)  # a store named explicitly must exist (a typo would read as "no runs")
-    trained = 0
+    trained, keys = 0, resolve(decl, uri) if args.train else None
     if args.train:
         print(decl.plan.rule(), flush=True)
         try:
-            trained = train(decl, uri, known, args.lanes, args.budget_minutes)
+            trained = train(decl, uri, known, keys, args.lanes, args.budget_minutes)
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-    table = judge(_all_runs(known, uri, decl), decl)
+    table = judge(_all_runs(known, uri, decl), decl, keys=keys)
     verdicts = survival(table, decl.plan)
     md = markdown(table, verdicts, decl.plan)
     print(md, end="")

@@ -136,6 +136,7 @@ seeds: {start: 2, step: 1, max: 2}
     ("recipe: study_cpu\n", ""),  # no recipe
     ("recipe: study_cpu", "recipe: study_gpu"),  # no such recipe
     ("start: 2", "start: 1"),  # one seed gives no interval
+    ("seeds:", "overrides: [model.no_such_key=3]\nseeds:"),  # runs that do not compose
 ])
 def test_a_bad_declaration_exits_2_in_one_line_before_anything_trains(tmp_path, capsys, change):
     path = tmp_path / "d.yaml"
@@ -237,3 +238,12 @@ def test_only_the_missing_runs_are_trained_with_the_stored_runs_keys(tmp_path):
             for r in runs if r.data.tags.get("attnres.role") == "job"}
     assert len(keys) == 8 and ("block", "1", "1e-05") in keys
     assert list(pd.read_csv(tmp_path / "out" / "robustness.csv")["seeds"]) == [2, 2]
+
+
+def test_a_setting_short_of_its_first_look_shows_its_pairs_but_no_verdict():
+    runs = _frame(_rows(LOWER, "study_cpu"), _rows(LOWER, norm_eps="1e-05")[:4])  # seeds 0, 1
+    table = rob.judge(runs, _decl(E5))
+    row = table[table["setting"] == E5.label].iloc[0]
+    assert row["seeds"] == 2 and np.isnan(row["sign"]) and row["verdict"] == "not started"
+    assert row["diff"] == pytest.approx(np.mean(LOWER[:2]), abs=1e-12)
+    assert _outcome(runs, E5).startswith("undecided at model.norm_eps=1e-05: 2 seeds")
