@@ -274,9 +274,32 @@ def client_for(uri: str):
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
     with store_lock(uri):
+        if path is not None:
+            _forget_stale_engine(uri, path)
         client = MlflowClient(uri)
         client.search_experiments(max_results=1)  # forces the schema creation/migration now
+        if path is not None:
+            _OPENED[uri] = _file_identity(path)
     return client
+
+
+_OPENED: dict[str, Any] = {}  # per SQLite URI: the file this process's MLflow engine opened
+
+
+def _forget_stale_engine(uri: str, path: Path) -> None:
+    """MLflow keeps one engine per database URI for the process; its pooled connections hold the
+    file they opened. A store deleted or replaced since (a multirun's next job, a rerun in the same
+    process) would be written through them into the deleted file: the engine is dropped."""
+    if uri not in _OPENED or _OPENED[uri] == _file_identity(path):
+        return
+    try:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        engine = SqlAlchemyStore._engine_map.pop(uri, None)  # (MLflow's cache; absent in another version: nothing to drop)
+    except (ImportError, AttributeError):
+        return
+    if engine is not None:
+        engine.dispose()
 
 
 def experiment_id(client, name: str, uri: str) -> str:
@@ -429,8 +452,10 @@ class MlflowTracker(NullTracker):
         else:
             if resume_run_id is not None:
                 log.warning("MLflow run %s of the checkpoint is not in %s: starting a new run", resume_run_id, uri)
-            if pending_dir is not None:
-                _clear_pending(pending_dir)  # they belonged to the run that is gone
+            if pending_dir is not None and resume_run_id is not None:
+                _set_aside(pending_dir, resume_run_id, uri)  # the records of a run its store lost: kept
+            elif pending_dir is not None:
+                _clear_pending(pending_dir)
             run = mlflow.start_run(
                 experiment_id=exp_id, run_name=run_name, parent_run_id=parent_run_id,
                 tags=dict(tags), log_system_metrics=system_metrics,
@@ -744,6 +769,22 @@ def _clear_pending(folder: Path) -> None:
     shutil.rmtree(folder / PENDING_ARTIFACTS, ignore_errors=True)
 
 
+def _set_aside(folder: Path, run_id: str, uri: str) -> None:
+    """Move what waited for MLflow run `run_id` (not in its store any more) to <folder>/unsent_<run id>/
+    and say how to send it once that store is back: a new run starts in the folder, and they are
+    not its records (they were deleted here before)."""
+    names = [n for n in (PENDING_METRICS, PENDING_TAGS, PENDING_ARTIFACTS, END_PENDING) if (folder / n).exists()]
+    if not names:
+        return
+    aside = folder / f"unsent_{run_id}"
+    aside.mkdir(exist_ok=True)
+    for name in names:
+        os.replace(folder / name, aside / name)
+    log.warning("the records MLflow run %s did not receive are kept in %s; to send them once the store that holds "
+                "the run is back (at %s, if put back where it was): python -m harness.tracking <its URI> %s %s",
+                run_id, aside, redact(uri), run_id, aside)
+
+
 def replay_folder(uri: str, run_id: str, folder: Path) -> bool:
     """Send what a run left waiting in `folder` while its store could not be reached (metrics,
     tags, its end). True when nothing waits any more; False (with a warning) when the store is
@@ -753,6 +794,9 @@ def replay_folder(uri: str, run_id: str, folder: Path) -> bool:
     waiting = any((folder / n).exists() for n in names)
     db = sqlite_path(uri)
     if db is not None and not db.exists():  # (not created: MLflow would make an empty store there)
+        if not db.is_absolute():  # relative to the folder the run started in, unknown here: no evidence
+            log.warning("run %s: its store %s is not found from this folder; nothing checked or sent", run_id, uri)
+            return False
         raise RunNotInStore(_not_held(uri, run_id, folder, waiting, "no such file"))
     try:
         client = client_for(uri)
@@ -777,7 +821,7 @@ def replay_folder(uri: str, run_id: str, folder: Path) -> bool:
 
 def _not_held(uri: str, run_id: str, folder: Path, waiting: bool, why: str) -> str:
     kept = f"; what it logged after the store went is kept in {folder}" if waiting else ""
-    return (f"{folder.name}: finished, but its MLflow run {run_id} is not in tracking.uri={redact(uri)} ({why}: "
+    return (f"{folder.name}: MLflow run {run_id} is not in tracking.uri={redact(uri)} ({why}: "
             f"the store was deleted or replaced, or the run deleted, since){kept}; allowed: that store put back "
             "(the same command then sends what waits), or train.resume=false to train it again into this store")
 
@@ -805,3 +849,29 @@ def end_replaced_run(uri: str, run_id: str, reason: str) -> None:
         client.set_terminated(run_id, status="KILLED")
     except Exception as error:  # noqa: BLE001 - the old run's end is bookkeeping; the new run goes on
         log.warning("MLflow run %s (replaced) not ended: %s", run_id, " ".join(str(error).split())[:300])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m harness.tracking URI RUN_ID FOLDER`: send what a run left waiting in FOLDER."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m harness.tracking", description=main.__doc__)
+    parser.add_argument("uri")
+    parser.add_argument("run_id")
+    parser.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        print(f"error: {args.folder}: no such folder", file=sys.stderr)
+        return 2
+    try:
+        sent = replay_folder(args.uri, args.run_id, args.folder)
+    except RunNotInStore as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if sent and args.folder.name.startswith("unsent_") and not any(args.folder.iterdir()):
+        args.folder.rmdir()
+    return 0 if sent else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

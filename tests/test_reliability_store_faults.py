@@ -130,10 +130,12 @@ def test_a_store_deleted_mid_run_keeps_the_records_and_the_rerun_never_calls_the
     assert len(lines) == 1 and "is not in tracking.uri=" in lines[0] and "train.resume=false" in lines[0], lines
     assert "already finished" not in result.stderr and not store.exists() and not (tmp_path / "out").exists()
 
-    shutil.copy(tmp_path / "backup.db", store)  # the store put back: the same command sends what waited
-    result = rerun()
-    assert result.returncode == 0 and "already finished" in result.stderr, result.stderr[-3000:]
-    # Read with sqlite3: this process's MLflow client still holds the deleted file open.
+    # The store put back: the same command sends what waited. In this process, whose MLflow engine
+    # opened the deleted file (a multirun's next job is in the same place).
+    shutil.copy(tmp_path / "backup.db", store)
+    capfd.readouterr()
+    assert job.run(compose([*overrides, "train.code_change=keep"])) == value
+    assert "already finished" in capfd.readouterr().err
     import sqlite3
 
     with sqlite3.connect(store) as db:
@@ -142,3 +144,35 @@ def test_a_store_deleted_mid_run_keeps_the_records_and_the_rerun_never_calls_the
         steps = db.execute("SELECT step FROM metrics WHERE key = 'train/loss' ORDER BY step").fetchall()
     assert [s for (s,) in steps] == [1, 2, 3, 4, 5, 6]  # each once
     assert not [p for p in folder.iterdir() if "pending" in p.name]
+
+
+@pytest.mark.usefixtures("restore_process_state")
+def test_records_of_a_run_its_store_lost_are_kept_aside_and_can_be_sent_later(tmp_path, capsys):
+    """An interrupted run whose MLflow run is not in the store it resumes into starts a new run;
+    what waited for the old one was deleted then. It is moved to unsent_<run id>/, and
+    `python -m harness.tracking URI RUN_ID FOLDER` sends it once the store that holds the run is back."""
+    from mlflow import MlflowClient
+
+    from harness.tracking import END_PENDING, PENDING_METRICS, MlflowTracker, main
+
+    old_uri, new_uri = f"sqlite:///{tmp_path / 'old.db'}", f"sqlite:///{tmp_path / 'new.db'}"
+    old = MlflowClient(old_uri)
+    run_id = old.create_run(old.create_experiment("lost")).info.run_id
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / PENDING_METRICS).write_text("".join(
+        f'{{"key": "train/loss", "value": {5 - s}, "timestamp": 1, "step": {s}}}\n' for s in (3, 4)))
+    (folder / END_PENDING).write_text('{"status": "KILLED"}')
+
+    tracker = MlflowTracker.start(new_uri, "lost", "again", {}, resume_run_id=run_id, pending_dir=folder)
+    tracker.end("FINISHED")
+    aside = folder / f"unsent_{run_id}"
+    assert sorted(p.name for p in aside.iterdir()) == sorted([END_PENDING, PENDING_METRICS])
+    assert not (folder / PENDING_METRICS).exists() and tracker.run_id != run_id
+
+    assert main([new_uri, run_id, str(aside)]) == 2  # the store that never held it: one line
+    said = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]  # (MLflow's INFO lines aside)
+    assert len(said) == 1 and run_id in said[0] and aside.exists()
+    assert main([old_uri, run_id, str(aside)]) == 0
+    assert [(m.step, m.value) for m in old.get_metric_history(run_id, "train/loss")] == [(3, 2.0), (4, 1.0)]
+    assert old.get_run(run_id).info.status == "KILLED" and not aside.exists()
