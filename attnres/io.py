@@ -183,7 +183,7 @@ def _read_torch_checkpoint(path: Path) -> tuple[dict, dict]:
         ) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("config"), dict):
         raise CheckpointError(f"{path}: a torch checkpoint needs a dict with 'model' (weights) and 'config' entries")
-    state = obj.get("model", obj.get("state_dict"))
+    state = obj.get("model")
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: the checkpoint has no 'model' state dict")
     return state, obj["config"]

@@ -23,12 +23,8 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tup
     """Rotary position embedding tables (Su et al. 2021) for `apply_rope`, cached per shape and
     device: cos over both halves of a head, and sin with its first half negated, each
     (seq_len, 1, head_dim) so that they broadcast over the heads of a (B, T, H, head_dim) tensor.
-
-    Computed in float64 then cast, so that float64 tests see exact rotations too. Under
-    torch.compile they are constants of the graph (`assume_constant_result`): a lookup in the
-    graph made Dynamo guard on the cache's contents (the step that filled it made the next one
-    recompile), and a computation in the graph was fused into the rotation, float64 sin and cos
-    for every element of q and k.
+    Computed in float64 then cast, so that float64 tests see exact rotations too; constants of a
+    compiled graph (`assume_constant_result`), so Dynamo neither guards on the cache nor recomputes them.
     """
     key = (seq_len, head_dim, theta, str(device), dtype)
     if key not in _ROPE_CACHE:
@@ -81,8 +77,8 @@ class CausalSelfAttention(nn.Module):
         start = 0 if cache is None else cache.length
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k, v = self.kv_proj(x).view(B, T, 2, self.n_kv_heads, self.head_dim).unbind(2)
-        # One table of max_seq_len rows, sliced (row t does not depend on the table's length): a
-        # table per length made torch.compile specialise on T and recompile for every new length.
+        # One table of max_seq_len rows, sliced (row t does not depend on the table's length), so a
+        # compiled model does not specialise on T.
         rows = self.max_seq_len if start + T <= self.max_seq_len else start + T
         cos, sin = rope_tables(rows, self.head_dim, self.rope_theta, x.device, x.dtype)
         # narrow, not [:T]: compiled, the tables are graph constants, and [:T] of one specialised on T.

@@ -3,7 +3,7 @@ a model launches, compiled for a GPU architecture on a machine without one (defa
 
     python benchmarks/kernel_resources.py                                  # block, the 194m shape
     python benchmarks/kernel_resources.py --variant full --d-model 2048 --heads 16
-    python benchmarks/kernel_resources.py --triton PAIRED_SUMS=true        # any knob of the kernels
+    python benchmarks/kernel_resources.py --triton PREFETCH=false           # any knob of the kernels
 
 A stand-in for Triton's driver compiles each launch (counts from the cubin) and runs nothing.
 """

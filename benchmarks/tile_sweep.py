@@ -3,7 +3,7 @@ work (32 sublayers, S = 4, 16k tokens, d = 2048, bf16, forward + backward of eve
 
     python benchmarks/tile_sweep.py                       # CUDA only
     python benchmarks/tile_sweep.py --reader-groups 1,2,4 --reps 5
-    python benchmarks/tile_sweep.py --triton PAIRED_SUMS=true --config PREFETCH=false   # knobs moved together
+    python benchmarks/tile_sweep.py --triton BWD_DQ_SECOND_PASS=false --config PREFETCH=false   # knobs moved together
 
 One profiled step per implementation (kernel time against wall time: the gap is host overhead),
 then each switch and reader group of attnres.kernels.triton_kernels moved from the defaults alone

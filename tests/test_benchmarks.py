@@ -219,16 +219,15 @@ def test_tile_sweep_moves_one_knob_at_a_time_or_the_configurations_given(tmp_pat
         wall_ms=1.0, busy_ms=1.0, read_fwd_ms=float(tk.READER_GROUP or 0), read_bwd_ms=1.0, top=[]))
     default = {k: getattr(tk, k) for k in tk.KNOBS}
     info = tile_sweep.main(["--reader-groups", f"{default['READER_GROUP']},1,3", "--json", str(tmp_path / "a.json")])
-    assert [r["moved"] for r in info["rows"]] == [{}, {"PAIRED_SUMS": not default["PAIRED_SUMS"]},
-                                                  {"PREFETCH": not default["PREFETCH"]},
+    assert [r["moved"] for r in info["rows"]] == [{}, {"PREFETCH": not default["PREFETCH"]},
                                                   {"BWD_DQ_SECOND_PASS": not default["BWD_DQ_SECOND_PASS"]},
                                                   {"READER_GROUP": 1}, {"READER_GROUP": 3}]
     assert [r["read_fwd_ms"]["fused per read"] for r in info["rows"]][-1] == 3.0  # timed under its knobs
     assert seen[-1] == {**default, "READER_GROUP": 3} and {k: getattr(tk, k) for k in tk.KNOBS} == default
-    info = tile_sweep.main(["--triton", "PAIRED_SUMS=true", "--config", "PREFETCH=false,READER_GROUP=none",
+    info = tile_sweep.main(["--triton", "BWD_DQ_SECOND_PASS=false", "--config", "PREFETCH=false,READER_GROUP=none",
                             "--json", str(tmp_path / "b.json")])
     assert [r["moved"] for r in info["rows"]] == [{}, {"PREFETCH": False, "READER_GROUP": None}]
-    assert all(r["knobs"]["PAIRED_SUMS"] is True for r in info["rows"])
+    assert all(r["knobs"]["BWD_DQ_SECOND_PASS"] is False for r in info["rows"])
     assert json.loads((tmp_path / "b.json").read_text())["rows"] == info["rows"]
     assert "READER_GROUP=None, PREFETCH=False" in capsys.readouterr().out
 

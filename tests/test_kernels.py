@@ -156,7 +156,7 @@ def test_triton_query_gradient_from_a_second_pass_equals_the_first_passes(path, 
 # Knobs that change when loads are issued, how a sum is reduced or which node of autograd adds a
 # term, not the math: toggled, every output and gradient equals the untoggled one to this
 # tolerance (fp32).
-ORDER_KNOBS = {"PREFETCH": 1e-6, "PAIRED_SUMS": 1e-5}
+ORDER_KNOBS = {"PREFETCH": 1e-6}
 
 
 @needs_triton
@@ -168,11 +168,9 @@ ORDER_KNOBS = {"PREFETCH": 1e-6, "PAIRED_SUMS": 1e-5}
         ("full", FULL_CHUNK, {"READER_GROUP": None, "BWD_DQ_SECOND_PASS": False})))])
 def test_triton_knobs_of_order_change_nothing(path, monkeypatch, knob, variant, num_layers, others):
     """PREFETCH: each loop over the sources loads source i + 1 before it uses source i (the last
-    iteration's load masked off): only when the loads are issued changes (1e-6). PAIRED_SUMS: the
-    backward's q·v and g·v as one reduction of two tensors: the same sums, reduced together (1e-5:
-    the interpreter may add in another order). Toggled, with the other knobs at their
-    defaults and with one reader group and the one-pass backward: outputs and every gradient equal
-    the untoggled ones, and the PyTorch path's to 1e-4 (fp32)."""
+    iteration's load masked off): only when the loads are issued changes (1e-6). Toggled, with the
+    other knobs at their defaults and with one reader group and the one-pass backward: outputs and
+    every gradient equal the untoggled ones, and the PyTorch path's to 1e-4 (fp32)."""
     from attnres.kernels import triton_kernels
 
     for name, value in others.items():

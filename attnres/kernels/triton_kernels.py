@@ -62,18 +62,6 @@ def _sum(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _add_pairs(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-@triton.jit
-def _sum_pair(x, y, axis: tl.constexpr):
-    """The sums of x and of y over `axis` as one reduction: across warps, one exchange through
-    shared memory and its barriers for both instead of one each."""
-    return tl.reduce((x, y), axis, _add_pairs)
-
-
-@triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
@@ -178,7 +166,7 @@ def _read_bwd_kernel(
     R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, W_PAD: tl.constexpr,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_GLSE: tl.constexpr, DQ_ROWS: tl.constexpr, ALIGNED: tl.constexpr, ACCUMULATE: tl.constexpr,
-    DQ_SECOND_PASS: tl.constexpr, PREFETCH: tl.constexpr, PAIRED_SUMS: tl.constexpr, FOLD_RMS: tl.constexpr,
+    DQ_SECOND_PASS: tl.constexpr, PREFETCH: tl.constexpr, FOLD_RMS: tl.constexpr,
 ):
     # dL/dt_i = α_i (B_i − Δ) with B_i = g·v_i and Δ = Σ_i α_i B_i − g_lse. Δ is accumulated here
     # in fp32 from the sources rather than taken as g·out from the stored output, which may be
@@ -247,11 +235,8 @@ def _read_bwd_kernel(
                 v_next = _source_ahead(src_table, i + 1, n_src, src0, tile, tile_ok, ALIGNED)
             else:
                 v = _source(src_table, i, src0, tile, tile_ok, ALIGNED)
-            if PAIRED_SUMS:
-                qv, b = _sum_pair(q * v[None, :, :], g * v[None, :, :], 2)
-            else:
-                qv = _sum(q * v[None, :, :], 2)
-                b = _sum(g * v[None, :, :], 2)
+            qv = _sum(q * v[None, :, :], 2)
+            b = _sum(g * v[None, :, :], 2)
             if KEY_NORM:
                 rms = tl.load(rms_table + i).to(tl.pointer_type(tl.float32))
                 rho = tl.load(rms + tokens, mask=row_ok, other=1.0)[None, :]
@@ -357,8 +342,8 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# The knobs of the kernels' algorithm on a GPU (tiles and warps are the autotuner's, below). The
-# defaults are the fastest measured (benchmarks/RESULTS.md); tile_sweep.py times each one moved.
+# The knobs of the kernels' algorithm on a GPU (tiles and warps are the autotuner's, below);
+# tile_sweep.py times each one moved.
 
 # The backward's query gradient from a second read of the sources, Δ known (see _read_bwd_kernel),
 # instead of two more accumulators in its first pass: fewer registers for one more read.
@@ -373,14 +358,10 @@ READER_GROUP = 4
 # in flight per program, for one more tile of registers.
 PREFETCH = True
 
-# The backward's q·v_i and g·v_i as one reduction over the channels instead of two: one exchange
-# between warps fewer per source. Not yet timed on a GPU, so off.
-PAIRED_SUMS = False
-
 # The knobs above, which the benchmarks set (model_bench.py --triton NAME=VALUE, tile_sweep.py).
-KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "PREFETCH", "PAIRED_SUMS")
+KNOBS = ("READER_GROUP", "BWD_DQ_SECOND_PASS", "PREFETCH")
 # The knobs that are switches: gpu_check.py and tile_sweep.py try each one toggled, untimed first.
-SWITCHES = ("PAIRED_SUMS", "PREFETCH", "BWD_DQ_SECOND_PASS")
+SWITCHES = ("PREFETCH", "BWD_DQ_SECOND_PASS")
 
 
 @contextlib.contextmanager
@@ -482,8 +463,7 @@ _read_fwd_kernel = triton.autotune(
     prune_configs_by={"early_config_prune": lambda configs, named, **kw: _candidates(configs, {**named, **kw}, False)},
 )(_read_fwd_kernel)
 _read_bwd_kernel = triton.autotune(
-    _configs(True), key=_SPECIALISATION + ["HAS_GLSE", "DQ_ROWS", "ACCUMULATE", "DQ_SECOND_PASS", "PAIRED_SUMS",
-                                           "FOLD_RMS"],
+    _configs(True), key=_SPECIALISATION + ["HAS_GLSE", "DQ_ROWS", "ACCUMULATE", "DQ_SECOND_PASS", "FOLD_RMS"],
     pre_hook=lambda args, reset_only=False: _bwd_before(args, reset_only),
     post_hook=lambda args, exception=None: _bwd_after(args, exception), **_tuning_options(),
     prune_configs_by={"early_config_prune": lambda configs, named, **kw: _candidates(configs, {**named, **kw}, True)},
@@ -610,7 +590,7 @@ def read_backward(sources, inv_rms, query, init_out, init_lse, lse, grad_out, gr
             R=r1 - r0, R_PAD=r_pad, W_PAD=w_pad, KEY_NORM=key_norm, SIGMOID=sigmoid,
             PER_TOKEN=per_token, HAS_INIT=has_init, HAS_GLSE=grad_lse is not None, DQ_ROWS=dq_rows,
             ALIGNED=_aligned(sources), ACCUMULATE=r0 > 0, DQ_SECOND_PASS=BWD_DQ_SECOND_PASS,
-            PREFETCH=PREFETCH, PAIRED_SUMS=PAIRED_SUMS, FOLD_RMS=fold_rms,
+            PREFETCH=PREFETCH, FOLD_RMS=fold_rms,
         )
     if dq_rows:
         dq = dq.view(R, N, d).sum(1)  # row ρ of head h holds channels h·W..h·W+W−1 of the query

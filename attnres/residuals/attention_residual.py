@@ -26,7 +26,7 @@ from .base import Residual
 
 SOURCES = ("full", "window", "block")
 QUERIES = ("static", "input", "scalar")
-FULL_CHUNK = 8  # sublayers per phase-one read of Full (Block reads a block): see benchmarks/RESULTS.md
+FULL_CHUNK = 8  # sublayers per phase-one read of Full (Block reads a block)
 
 
 def _check_choice(name: str, value, allowed) -> None:
