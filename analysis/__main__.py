@@ -7,10 +7,13 @@ section failed (the sections that failed are named).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
 from pathlib import Path
+
+import pandas as pd
 
 from .runs import AnalysisInputError, export_snapshot, import_snapshot, load_runset, merge_snapshots
 
@@ -113,16 +116,19 @@ def _check_out(out: Path, folder: bool) -> None:
         raise AnalysisInputError(f"--out {out}: cannot write in {above} ({exc.strerror or exc})") from None
 
 
+MOST_SEEDS = 1000  # a seed count beyond any study; the power curves are drawn up to it
+
+
 def _noise_options(args) -> None:
     """Check the noise study's options (before the runs are loaded); ``args.ns`` set."""
     try:
         args.ns = sorted({int(x) for x in args.seeds.split(",") if x.strip()})
     except ValueError:
         raise AnalysisInputError(f"--seeds {args.seeds!r}: expected whole numbers, e.g. 2,4,8") from None
-    if not args.ns or min(args.ns) < 2:
-        raise AnalysisInputError(f"--seeds {args.seeds!r}: each count must be >= 2")
-    if not args.target > 0:
-        raise AnalysisInputError(f"--target {args.target}: must be a positive Δ in the metric's unit")
+    if not args.ns or min(args.ns) < 2 or max(args.ns) > MOST_SEEDS:
+        raise AnalysisInputError(f"--seeds {args.seeds!r}: each count must be >= 2 and <= {MOST_SEEDS}")
+    if not 0 < args.target < math.inf:
+        raise AnalysisInputError(f"--target {args.target}: must be a positive finite Δ in the metric's unit")
 
 
 def _noise(args, runset) -> int:
@@ -133,8 +139,10 @@ def _noise(args, runset) -> int:
     runs = runset.runs[runset.runs["status"] == "FINISHED"]
     if args.sweep is not None:
         runs = runs[runs["sweep"] == args.sweep]
-    if args.metric not in runs:
-        raise AnalysisInputError(f"--metric {args.metric}: not a column of the runs")
+    if args.metric not in runs or not pd.api.types.is_numeric_dtype(runs[args.metric]):
+        numeric = [c for c in runs if pd.api.types.is_numeric_dtype(runs[c]) and "loss" in c]
+        raise AnalysisInputError(f"--metric {args.metric}: not a numeric column of the runs "
+                                 f"(allowed, e.g.: {', '.join(numeric)})")
     if runs.empty:
         raise AnalysisInputError("no finished runs" + (f" in sweep {args.sweep!r}" if args.sweep else ""))
     runs, note = _restricted(runs)
@@ -190,7 +198,7 @@ def main(argv=None) -> int:
         if args.command == "report":  # check options before the (slow) loading of runs
             if args.n_boot < 0:
                 raise AnalysisInputError("--n-boot must be >= 0")
-            if args.multiplier_at is not None and not args.multiplier_at > 0:
+            if args.multiplier_at is not None and not 0 < args.multiplier_at < math.inf:
                 raise AnalysisInputError("--multiplier-at must be a positive compute in "
                                          "PFLOP/s-days")
         if getattr(args, "snapshot", None):
@@ -213,6 +221,10 @@ def main(argv=None) -> int:
             paths = export_snapshot(runset, args.out)
             print(f"wrote {len(runset.runs)} runs to {', '.join(map(str, paths))}")
             return 0
+        unknown = sorted({sweep for sweep, _ in args.role} - set(runset.runs["sweep"].dropna()))
+        if unknown:  # a misspelt sweep would leave its runs in the section their name gives
+            raise AnalysisInputError(f"--role {', '.join(unknown)}: no such sweep among the runs "
+                                     f"(allowed: {', '.join(sorted(runset.runs['sweep'].dropna().unique()))})")
         from .report import Options, build_report
 
         opts = Options(n_boot=args.n_boot, seed=args.seed, multiplier_at=args.multiplier_at,

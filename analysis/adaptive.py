@@ -9,6 +9,7 @@ back from MLflow, so a rerun resumes. The rule is spelled out in docs/STUDY.md.
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import os
 import subprocess
@@ -394,7 +395,7 @@ def _report(args, plan: Plan, statuses: list[Status], trained: int, seconds: flo
     md = to_markdown(t.assign(diff=t["diff"].map(lambda x: f"{x:+.4f}"),
                               half_width=t["half_width"].map(lambda x: f"{x:.4f}"),
                               level=t["level"].map(lambda x: f"{x:.4g}")))
-    print(md, end="")
+    print(html.unescape(md), end="")  # a terminal shows text, not Markdown's entities
     print(f"{trained} runs trained in {seconds:.0f} s; store {uri}, experiment {experiment}")
     _log_verdict(uri, experiment, plan, statuses, overrides)
     if args.out:

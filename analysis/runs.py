@@ -380,7 +380,15 @@ def merge_snapshots(paths, without_sweeps=()) -> RunSet:
     is one run exported twice. Runs of one config in both are kept, and `latest_per_config`
     counts them once, as it does within one store. `without_sweeps`: sweeps whose runs are left
     out with their histories and instrumentation (a sweep re-run at a new recipe replaces them)."""
-    sets = [_without(import_snapshot(p), set(without_sweeps)) for p in paths]
+    read = [import_snapshot(p) for p in paths]
+    sweeps = set().union(*(rs.runs["sweep"].dropna() for rs in read))
+    unknown = sorted(set(without_sweeps) - sweeps)
+    if unknown:  # a typo would leave the old runs in, beside their re-run
+        raise AnalysisInputError(f"--without-sweep {', '.join(unknown)}: no such sweep in the "
+                                 f"snapshots (allowed: {', '.join(sorted(map(str, sweeps)))})")
+    sets = [_without(rs, set(without_sweeps)) for rs in read]
+    if not any(len(rs.runs) for rs in sets):
+        raise AnalysisInputError("no runs left to merge: --without-sweep left out every run")
     seen: dict[str, str] = {}
     for path, rs in zip(paths, sets):
         for rid in rs.runs["run_id"]:

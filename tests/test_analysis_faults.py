@@ -285,3 +285,26 @@ def test_runs_without_a_known_token_count_are_kept_by_their_key():
     rows = [{**r, "tokens": None, "start_time": i} for i, r in enumerate(_rows(("baseline",), seeds=(0, 1)))]
     kept, dropped = latest_per_config(_tidy(rows))
     assert len(kept) == 2 and dropped.empty
+
+
+# --------------------------------------------------------------------------------------------
+# The other commands' bad arguments: one line, exit 2, nothing written
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, needle", [
+    (["noise", "--metric", "variant"], "not a numeric column"),
+    (["noise", "--target", "inf"], "positive finite"),
+    (["noise", "--seeds", "2,100000000000"], "<= 1000"),
+    (["merge", "--without-sweep", "ablatoin"], "no such sweep"),
+    (["merge", "--without-sweep", "ablation"], "no runs left"),
+    (["report", "--multiplier-at", "inf"], "positive compute"),
+    (["report", "--role", "ablatoin=ablation"], "no such sweep"),
+])
+def test_bad_arguments_of_the_other_commands(tmp_path, capsys, args, needle):
+    snap = _snapshot(tmp_path / "snap", _rows())
+    out = tmp_path / ("out.csv" if args[0] == "merge" else "out")
+    argv = ([args[0], str(snap), *args[1:]] if args[0] == "merge"
+            else [args[0], "--snapshot", str(snap), *args[1:]])
+    assert analysis_main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+    assert not out.exists() or not any(out.iterdir())
