@@ -671,8 +671,20 @@ class MlflowTracker(NullTracker):
         self.log_text(json.dumps(data, indent=1), artifact_file)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
-        self._artifact(lambda: self.client.log_figure(self.run_id, figure, artifact_file),
-                       lambda target: figure.savefig(target), artifact_file)
+        """Drawn here first: a figure matplotlib cannot draw (a run name holding `$$` is read as
+        mathtext) is a warning, not a store gone offline and then a run FAILED after training."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="attnres-figure-") as tmp:
+            local = Path(tmp) / Path(artifact_file).name
+            try:
+                figure.savefig(local)
+            except (ValueError, RuntimeError) as error:
+                log.warning("plot %s not drawn (%s); the run goes on without it", artifact_file,
+                            " ".join(str(error).split())[:200])
+                return
+            folder = Path(artifact_file).parent.as_posix()
+            self.log_file(str(local), None if folder == "." else folder)
 
     def log_file(self, local_path: str, artifact_dir: str | None = None) -> None:
         name = (Path(artifact_dir or "") / Path(local_path).name).as_posix()

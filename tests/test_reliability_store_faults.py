@@ -176,3 +176,29 @@ def test_records_of_a_run_its_store_lost_are_kept_aside_and_can_be_sent_later(tm
     assert main([old_uri, run_id, str(aside)]) == 0
     assert [(m.step, m.value) for m in old.get_metric_history(run_id, "train/loss")] == [(3, 2.0), (4, 1.0)]
     assert old.get_run(run_id).info.status == "KILLED" and not aside.exists()
+
+
+@pytest.mark.usefixtures("restore_process_state")
+def test_a_figure_that_cannot_be_drawn_is_a_warning_and_the_store_stays_online(tmp_path, caplog):
+    """A plot titled with the run's name: `$$` in it is mathtext matplotlib cannot parse. The
+    failed upload was taken for a store gone offline, and drawing it again for the run folder
+    raised, ending a trained run FAILED. Now one warning; the next figure still reaches the store."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow import MlflowClient
+
+    from harness.tracking import MlflowTracker
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("figures", (tmp_path / "art").as_uri())).info.run_id
+    tracker = MlflowTracker(client, run_id, 5.0, resumed=False, pending_dir=tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    bad, good = plt.subplots()[0], plt.subplots()[0]
+    bad.axes[0].set_title("price $$ list")
+    good.axes[0].set_title("fine")
+    tracker.log_figure(bad, "plots/bad.png")
+    tracker.log_figure(good, "plots/good.png")
+    assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/good.png"]
+    assert "plots/bad.png not drawn" in caplog.text and not tracker.has_pending()
