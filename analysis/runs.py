@@ -432,7 +432,7 @@ def import_snapshot(path) -> RunSet:
     pilot = (frozenset(pd.read_csv(pilot_path, usecols=["run_id"], dtype=str)["run_id"])
              if pilot_path.is_file() else frozenset())
     return RunSet(runs=runs, histories=histories, instrumentation=instrumentation,
-                  source=f"snapshot {path.name}", adaptive=adaptive, pilot=pilot)
+                  source=f"snapshot {path.name}", adaptive=adaptive, pilot=pilot, notes=notes)
 
 
 def _unique_rows(raw: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, tuple[str, ...]]:

@@ -360,7 +360,7 @@ def seeds_needed_paired(sd_diff: float, delta: float, level: float = LEVEL,
 
     if not (np.isfinite(sd_diff) and np.isfinite(delta)) or delta == 0 or sd_diff < 0:
         return np.nan
-    if sd_diff == 0:
+    if sd_diff <= 1e-9 * abs(delta):  # differences all but constant; statsmodels' power is NaN there
         return 2.0
     calc, effect = TTestPower(), abs(delta) / sd_diff
 

@@ -308,3 +308,12 @@ def test_bad_arguments_of_the_other_commands(tmp_path, capsys, args, needle):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_seeds_needed_for_constant_differences_returns_at_once():
+    """Same-seed differences that agree to rounding (a snapshot whose variants differ by a fixed
+    offset): two pairs suffice; the power search must not loop on statsmodels' NaN power."""
+    from analysis.significance import seeds_needed_paired
+
+    assert seeds_needed_paired(1e-17, 0.03) == 2.0
+    assert seeds_needed_paired(0.03, 0.03) > 2
