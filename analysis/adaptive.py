@@ -372,7 +372,8 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         statuses, trained = run(plan, uri, experiment, overrides, args.lanes, args.budget_runs,
                                 args.budget_minutes, keys=keys)
-        _report(args, plan, statuses, trained, time.monotonic() - t0, uri, experiment, overrides)
+        _report(args, plan, statuses, trained, time.monotonic() - t0, uri, experiment, overrides,
+                used_keys(plan, statuses, keys))
     except AdaptiveInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -386,8 +387,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def used_keys(plan: Plan, statuses: list[Status], keys: dict[tuple[str, int], str]) -> list[str]:
+    """The run keys of the runs each verdict rests on (its seeds at the look where it stopped):
+    a report quoting the verdict beside a snapshot checks that these runs are the snapshot's."""
+    return sorted({keys[(v, s)] for st in statuses for v in (st.a, st.b) for s in plan.seeds(st.n)
+                   if (v, s) in keys})
+
+
 def _report(args, plan: Plan, statuses: list[Status], trained: int, seconds: float, uri: str,
-            experiment: str, overrides: list[str]) -> None:
+            experiment: str, overrides: list[str], run_keys: list[str] = ()) -> None:
     """The verdict: in the terminal, in MLflow and, with --out, in adaptive.md/.json."""
     t = table(statuses, plan)
     from .ablation import to_markdown
@@ -404,7 +412,7 @@ def _report(args, plan: Plan, statuses: list[Status], trained: int, seconds: flo
         (out / "adaptive.md").write_text(plan.rule() + "\n\n" + md)
         (out / "adaptive.json").write_text(json.dumps(
             {"plan": {**asdict(plan), "looks": plan.looks, "look_level": plan.look_level},
-             "rule": plan.rule(), "overrides": overrides,
+             "rule": plan.rule(), "overrides": overrides, "run_keys": list(run_keys),
              "comparisons": [asdict(s) for s in statuses]}, indent=2, default=float) + "\n")
 
 

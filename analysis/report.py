@@ -225,6 +225,9 @@ def _left_out(runset: RunSet, unusable: pd.DataFrame | None) -> list[str]:
     """Lines naming what reading the input dropped, and every finished run without a usable
     final loss, with its value."""
     lines = [f"\nLeft out while reading the input: {markup.md(n)}.\n" for n in runset.notes]
+    stale = _adaptive_for(runset)[1]
+    if stale:
+        lines.append(f"\n{stale}\n")
     if unusable is not None and len(unusable):
         show = unusable[["run_id", "sweep", "variant", "model", "seed"]].copy()
         show["run_id"] = show["run_id"].str[:12]
@@ -235,6 +238,22 @@ def _left_out(runset: RunSet, unusable: pd.DataFrame | None) -> list[str]:
                      "and are left out of every statistic:\n")
         lines.append(abl.to_markdown(show.fillna("–")))
     return lines
+
+
+def _adaptive_for(runset: RunSet) -> tuple[dict | None, str]:
+    """(adaptive.json beside the snapshot if its verdicts rest on runs of this snapshot, else None;
+    a note when they do not). The file records the run keys of the runs its verdicts rest on; a
+    verdict of another recipe's runs would be quoted beside a table it did not judge. A file
+    without them (written before they were recorded) is quoted as it is."""
+    adaptive = runset.adaptive
+    if not adaptive or not adaptive.get("run_keys"):
+        return adaptive, ""
+    missing = set(adaptive["run_keys"]) - set(runset.runs["run_key"].dropna())
+    if not missing:
+        return adaptive, ""
+    return None, (f"adaptive.json beside the input is not quoted: {len(missing)} of the "
+                  f"{len(adaptive['run_keys'])} runs its verdicts rest on are not among these runs "
+                  "(another recipe's study, or a snapshot exported before it).")
 
 
 def _summary(sections) -> str:
@@ -316,7 +335,7 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
     jobs = [
         ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note,
                                                                   opts.n_boot, opts.seed,
-                                                                  runset.adaptive, runset.pilot)),
+                                                                  _adaptive_for(runset)[0], runset.pilot)),
         ("Noise study (the ablation's recipe)", lambda: sec.noise_section(
             abl_runs, out, opts.target_delta, histories=runset.histories)),
         ("Ablation at each variant's tuned learning rate", lambda: sec.tuned_lr_section(

@@ -317,3 +317,24 @@ def test_seeds_needed_for_constant_differences_returns_at_once():
 
     assert seeds_needed_paired(1e-17, 0.03) == 2.0
     assert seeds_needed_paired(0.03, 0.03) > 2
+
+
+def test_an_adaptive_verdict_of_other_runs_is_not_quoted_beside_a_snapshot(tmp_path):
+    """adaptive.json records the run keys its verdicts rest on; beside a snapshot without those
+    runs (another recipe's study) the report does not quote it, and says why."""
+    from analysis import adaptive
+    from analysis.report import _adaptive_for
+    from analysis.runs import import_snapshot
+
+    plan = adaptive.Plan((("block", "baseline"),), start=2, max_seeds=3)
+    keys = {(v, s): f"k-{v}-{s}" for v in ("block", "baseline") for s in (0, 1, 2)}
+    st = adaptive.Status("block", "baseline", n=2, resolved=True, verdict="block < baseline")
+    used = adaptive.used_keys(plan, [st], keys)
+    assert used == ["k-baseline-0", "k-baseline-1", "k-block-0", "k-block-1"]
+    snap = _snapshot(tmp_path / "snap", _rows())
+    for run_keys, quoted in ((used, True), (["k-block-0", "old-recipe-key"], False)):
+        (snap.parent / "adaptive.json").write_text(json.dumps(
+            {"rule": plan.rule(), "comparisons": [st.__dict__], "run_keys": run_keys}))
+        found, note = _adaptive_for(import_snapshot(snap))
+        assert (found is not None) is quoted and bool(note) is not quoted
+    assert "1 of the 2 runs" in note
