@@ -51,7 +51,7 @@ def test_a_run_name_with_a_control_character_is_refused(name):
 def test_a_sweeps_experiment_keeps_its_artifacts_beside_the_sqlite_store(tmp_path, monkeypatch):
     """The Optuna sweeper may create the experiment before any job does: its artifacts then go
     beside the database too, not into the ./mlruns of the folder the sweep was started from."""
-    from hydra_plugins.attnres_optuna_sweeper._tracking import StudyTracker
+    from hydra_plugins.attnres_optuna_sweeper._study_runs import StudyTracker
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "store").mkdir()

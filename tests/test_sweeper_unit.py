@@ -11,7 +11,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState, create_trial
 
 from harness import pruning
-from hydra_plugins.attnres_optuna_sweeper import config as sweeper_config
+from hydra_plugins.attnres_optuna_sweeper import settings as sweeper_config
 from hydra_plugins.attnres_optuna_sweeper._ledger import (
     FAILURE_ATTR,
     VOID_ATTR,
@@ -21,7 +21,7 @@ from hydra_plugins.attnres_optuna_sweeper._ledger import (
 )
 from hydra_plugins.attnres_optuna_sweeper._space import build_plan
 from hydra_plugins.attnres_optuna_sweeper._strategy import describe, make_pruner, make_sampler, scaled_pruner
-from hydra_plugins.attnres_optuna_sweeper.config import (
+from hydra_plugins.attnres_optuna_sweeper.settings import (
     AttnresOptunaSweeperConf,
     SweeperConfigError,
     validate,
@@ -340,8 +340,8 @@ def test_failure_budget():
 
 
 def test_tracking_follows_the_task_config(tmp_path, monkeypatch):
-    from hydra_plugins.attnres_optuna_sweeper._tracking import resolve_tracking
-    from hydra_plugins.attnres_optuna_sweeper.config import MlflowConf
+    from hydra_plugins.attnres_optuna_sweeper._study_runs import resolve_tracking
+    from hydra_plugins.attnres_optuna_sweeper.settings import MlflowConf
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     task = OmegaConf.create(

@@ -23,7 +23,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from harness import pruning
 from harness.config import changes_the_run
@@ -42,8 +42,8 @@ from ._storage import (
     resolve_url,
 )
 from ._strategy import describe, grid_size, make_pruner, make_sampler, scaled_pruner
-from ._tracking import PARENT_ATTR, StudyTracker, end_leftover_runs, last_run_id, resolve_tracking
-from .config import AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
+from ._study_runs import PARENT_ATTR, StudyTracker, end_leftover_runs, last_run_id, resolve_tracking
+from .settings import AttnresOptunaSweeperConf, SweepAborted, SweeperConfigError
 
 log = logging.getLogger(__name__)
 
@@ -336,42 +336,14 @@ class SweepRunner:
         frozen = self._finish(
             study, trial, outcome.state, outcome.value, attrs, before, parent, tracker
         )
-
-        shown = " ".join(d.override(trial.params[d.name]) for d in plan.dimensions)
-        if outcome.state == TrialState.COMPLETE:
-            log.info(
-                "%s trial %d: %s -> %.6g", study.study_name, trial.number, shown, outcome.value
-            )
-        elif outcome.state == TrialState.PRUNED:
-            log.info(
-                "%s trial %d: %s -> pruned at step %s",
-                study.study_name,
-                trial.number,
-                shown,
-                frozen.last_step,
-            )
-        elif outcome.void is not None:
-            log.warning(
-                "%s trial %d: %s -> void, does not count (%s)",
-                study.study_name,
-                trial.number,
-                shown,
-                outcome.void,
-            )
-        else:
-            error = job._return_value
-            log.warning(
-                "%s trial %d: %s -> failed: %s",
-                study.study_name,
-                trial.number,
-                shown,
-                outcome.failure,
-                exc_info=(type(error), error, error.__traceback__)
-                if isinstance(error, BaseException)
-                else None,
-            )
+        _log_outcome(study, trial, plan, outcome, frozen, job)
         if outcome.fatal:
             raise SweepAborted(f"{study.study_name} trial {trial.number}: {outcome.failure}")
+        self._warn_if_nothing_reported(outcome, frozen, trial)
+
+    def _warn_if_nothing_reported(self, outcome: _Outcome, frozen: FrozenTrial, trial: optuna.Trial) -> None:
+        """Once per sweep: a pruner that cannot prune, since the task reports no intermediate values."""
+        s = self.settings
         if (
             outcome.state == TrialState.COMPLETE
             and s.pruner.name != "none"
@@ -520,6 +492,44 @@ def _outcome(job: JobReturn) -> _Outcome:
     if not math.isfinite(value):
         return _Outcome(TrialState.FAIL, failure=f"objective value is {value}")
     return _Outcome(TrialState.COMPLETE, value)
+
+
+def _log_outcome(study: optuna.Study, trial: optuna.Trial, plan: Plan, outcome: _Outcome, frozen: FrozenTrial,
+                 job: JobReturn) -> None:
+    """One line for a trial's outcome: its value, pruned, void or failed (with the traceback)."""
+    shown = " ".join(d.override(trial.params[d.name]) for d in plan.dimensions)
+    if outcome.state == TrialState.COMPLETE:
+        log.info(
+            "%s trial %d: %s -> %.6g", study.study_name, trial.number, shown, outcome.value
+        )
+    elif outcome.state == TrialState.PRUNED:
+        log.info(
+            "%s trial %d: %s -> pruned at step %s",
+            study.study_name,
+            trial.number,
+            shown,
+            frozen.last_step,
+        )
+    elif outcome.void is not None:
+        log.warning(
+            "%s trial %d: %s -> void, does not count (%s)",
+            study.study_name,
+            trial.number,
+            shown,
+            outcome.void,
+        )
+    else:
+        error = job._return_value
+        log.warning(
+            "%s trial %d: %s -> failed: %s",
+            study.study_name,
+            trial.number,
+            shown,
+            outcome.failure,
+            exc_info=(type(error), error, error.__traceback__)
+            if isinstance(error, BaseException)
+            else None,
+        )
 
 
 def _raise_wrapped_interrupt(job: JobReturn) -> None:

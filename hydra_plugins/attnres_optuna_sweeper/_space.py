@@ -30,7 +30,7 @@ from optuna.distributions import (
     IntDistribution,
 )
 
-from .config import SweeperConfigError
+from .settings import SweeperConfigError
 
 _KNOWN_TAGS = {"log", "int"}
 

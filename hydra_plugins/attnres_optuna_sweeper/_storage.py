@@ -32,7 +32,7 @@ from sqlalchemy.exc import (
 from harness.tracking import folder_lock, redact  # the lock MLflow stores take; the password out of messages
 
 from ._ledger import FAILURE_ATTR, VOID_ATTR
-from .config import SweeperConfigError
+from .settings import SweeperConfigError
 
 DEFAULT_STORAGE_FILE = "optuna.db"
 SERVER_INIT_ATTEMPTS = 5  # opening a server storage whose schema another worker is creating

@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 
 from ._ledger import counts
 from ._space import Dimension
-from .config import PrunerConf, SamplerConf, SweeperConfigError
+from .settings import PrunerConf, SamplerConf, SweeperConfigError
 
 
 class _BoundedGridSampler(optuna.samplers.GridSampler):

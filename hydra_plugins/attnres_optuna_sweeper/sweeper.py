@@ -14,7 +14,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from .config import AttnresOptunaSweeperConf, validate
+from .settings import AttnresOptunaSweeperConf, validate
 
 
 class AttnresOptunaSweeper(Sweeper):

@@ -26,7 +26,7 @@ from harness.tracking import experiment_id
 
 from ._ledger import FAILURE_ATTR, Ledger, is_genuine_failure
 from ._storage import absolute_sqlite, sqlite_init_lock
-from .config import MlflowConf
+from .settings import MlflowConf
 
 log = logging.getLogger(__name__)
 
