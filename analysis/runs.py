@@ -99,8 +99,8 @@ class RunSet:
     instrumentation: dict[str, dict] = field(default_factory=dict)
     source: str = ""
     adaptive: dict | None = None  # adaptive.json beside a snapshot: the seeds' stopping rule and verdicts
-    notes: tuple[str, ...] = ()  # what reading the input left out (duplicate rows), for REPORT.md
     pilot: frozenset = frozenset()  # run ids of pilot/runs.csv beside a snapshot: the runs that sized the study
+    notes: tuple[str, ...] = ()  # what reading the input left out (duplicate rows), for REPORT.md
 
     @property
     def finished(self) -> pd.DataFrame:
@@ -316,8 +316,9 @@ def load_histories(tracking_uri: str, run_ids, keys=HISTORY_KEYS) -> pd.DataFram
     return df.sort_values(["run_id", "key", "step"], kind="mergesort").reset_index(drop=True)
 
 
-def load_instrumentation(tracking_uri: str, run_ids) -> dict[str, dict]:
-    """The latest ``instrumentation/step_*.json`` artifact of each run that has one."""
+def load_instrumentation(tracking_uri: str, run_ids, notes: list | None = None) -> dict[str, dict]:
+    """The latest ``instrumentation/step_*.json`` artifact of each run that has one; a damaged one
+    (not a JSON object) is left out, and named in ``notes``."""
     client = _client(tracking_uri)
     # One progress bar per downloaded file would bury the command's own output.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -333,17 +334,26 @@ def load_instrumentation(tracking_uri: str, run_ids) -> dict[str, dict]:
                 continue
             latest = max(files)  # step numbers are zero-padded, so the name sorts by step
             local = client.download_artifacts(rid, latest, tmp)
-            out[rid] = json.loads(Path(local).read_text())
+            try:
+                value = json.loads(Path(local).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                value = exc
+            if isinstance(value, dict):
+                out[rid] = value
+            elif notes is not None:
+                notes.append(f"the instrumentation artifact {latest} of run {rid[:12]} is not a JSON "
+                             f"object ({_first_line(value) if isinstance(value, Exception) else type(value).__name__}); "
+                             "that run is drawn without it")
     return out
 
 
 def load_runset(tracking_uri: str, experiments=None, filter_string: str = "",
                 history_keys=HISTORY_KEYS) -> RunSet:
     runs = load_runs(tracking_uri, experiments, filter_string)
-    ids = runs["run_id"].tolist()
+    ids, notes = runs["run_id"].tolist(), []
     return RunSet(runs=runs, histories=load_histories(tracking_uri, ids, history_keys),
-                  instrumentation=load_instrumentation(tracking_uri, ids),
-                  source=f"MLflow {redact(tracking_uri)}")
+                  instrumentation=load_instrumentation(tracking_uri, ids, notes),
+                  source=f"MLflow {redact(tracking_uri)}", notes=tuple(notes))
 
 
 def redact(uri: str) -> str:

@@ -338,3 +338,19 @@ def test_an_adaptive_verdict_of_other_runs_is_not_quoted_beside_a_snapshot(tmp_p
         found, note = _adaptive_for(import_snapshot(snap))
         assert (found is not None) is quoted and bool(note) is not quoted
     assert "1 of the 2 runs" in note
+
+
+def test_a_damaged_instrumentation_artifact_in_a_store_is_named_not_a_traceback(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from analysis.runs import load_runset
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("ablation", artifact_location=(tmp_path / "art").as_uri())
+    rid = client.create_run(exp, tags={"attnres.variant": "block"}).info.run_id
+    client.log_text(rid, '{"step": 5, "depth_weights": [[1.0', "instrumentation/step_0000005.json")
+    client.set_terminated(rid)
+    rs = load_runset(uri)
+    assert rs.instrumentation == {}
+    assert len(rs.notes) == 1 and rid[:12] in rs.notes[0] and "not a JSON object" in rs.notes[0]
