@@ -192,6 +192,8 @@ def main(argv=None) -> int:
             runset = merge_snapshots(args.snapshots, args.without_sweep)
             paths = export_snapshot(runset, args.out)
             print(f"wrote {len(runset.runs)} runs to {', '.join(map(str, paths))}")
+            for note in runset.notes:  # what was left out of the written snapshot
+                print(f"note: {note}", file=sys.stderr)
             return 0
         if args.command == "noise":
             _noise_options(args)
@@ -220,6 +222,8 @@ def main(argv=None) -> int:
         if args.command == "export":
             paths = export_snapshot(runset, args.out)
             print(f"wrote {len(runset.runs)} runs to {', '.join(map(str, paths))}")
+            for note in runset.notes:  # what was left out of the written snapshot
+                print(f"note: {note}", file=sys.stderr)
             return 0
         unknown = sorted({sweep for sweep, _ in args.role} - set(runset.runs["sweep"].dropna()))
         if unknown:  # a misspelt sweep would leave its runs in the section their name gives

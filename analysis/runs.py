@@ -411,7 +411,8 @@ def merge_snapshots(paths, without_sweeps=()) -> RunSet:
     histories = histories.sort_values(["run_id", "key", "step"], kind="mergesort").reset_index(drop=True)
     return RunSet(runs=_tidy(rows), histories=histories,
                   instrumentation={k: v for rs in sets for k, v in rs.instrumentation.items()},
-                  source="snapshots " + ", ".join(Path(p).name for p in paths))
+                  source="snapshots " + ", ".join(Path(p).name for p in paths),
+                  notes=tuple(n for rs in sets for n in rs.notes))
 
 
 def _without(rs: RunSet, sweeps: set) -> RunSet:

@@ -354,3 +354,12 @@ def test_a_damaged_instrumentation_artifact_in_a_store_is_named_not_a_traceback(
     rs = load_runset(uri)
     assert rs.instrumentation == {}
     assert len(rs.notes) == 1 and rid[:12] in rs.notes[0] and "not a JSON object" in rs.notes[0]
+
+
+def test_merge_of_a_cat_joined_snapshot_keeps_each_run_once_and_says_so(tmp_path, capsys):
+    snap = _snapshot(tmp_path / "snap", _rows())
+    snap.write_text(snap.read_text() * 2)
+    out = tmp_path / "merged.csv"
+    assert analysis_main(["merge", str(snap), "--out", str(out)]) == 0
+    assert len(pd.read_csv(out)) == 9
+    assert "repeat the run id of a later row" in capsys.readouterr().err
