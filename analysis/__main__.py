@@ -183,6 +183,14 @@ def _robustness(args) -> int:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # a report is staged and moved into place whole: --out is as it was
+        print("interrupted: a report's --out is left as it was", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.command == "robustness":
         return _robustness(args)

@@ -363,3 +363,16 @@ def test_merge_of_a_cat_joined_snapshot_keeps_each_run_once_and_says_so(tmp_path
     assert analysis_main(["merge", str(snap), "--out", str(out)]) == 0
     assert len(pd.read_csv(out)) == 9
     assert "repeat the run id of a later row" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    import analysis.__main__ as cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "import_snapshot", interrupted)
+    snap = _snapshot(tmp_path / "snap", _rows())
+    assert cli.main(["report", "--snapshot", str(snap), "--out", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
