@@ -77,7 +77,7 @@ def depth_weights_figure(rec: Record, title: str):
     if weights is None:
         ax.axis("off")
         ax.text(0.5, 0.5, f"{title}\nthis variant has no depth weights\n(no softmax over depth)",
-                ha="center", va="center", fontsize=12)
+                ha="center", va="center", fontsize=12, parse_math=False)
         return fig
     w = torch.tensor(weights, dtype=torch.float64)
     im = ax.imshow(w.numpy(), cmap="viridis", aspect="auto", interpolation="nearest", vmin=0.0)
@@ -86,7 +86,7 @@ def depth_weights_figure(rec: Record, title: str):
     ax.set_yticks(range(0, len(rows), step), rows[::step], fontsize=7)
     ax.set_xlabel("source (0 = embedding)")
     ax.set_ylabel("reader")
-    ax.set_title(f"{title}: depth weights α at step {rec['step']}")
+    ax.set_title(f"{title}: depth weights α at step {rec['step']}", parse_math=False)  # a run name is text, not mathtext
     fig.colorbar(im, ax=ax, fraction=0.04)
     fig.tight_layout()
     return fig
@@ -118,6 +118,6 @@ def magnitudes_figure(history: list[Record], title: str):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{title}: magnitudes per block")
+    fig.suptitle(f"{title}: magnitudes per block", parse_math=False)
     fig.tight_layout()
     return fig

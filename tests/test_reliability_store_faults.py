@@ -202,3 +202,18 @@ def test_a_figure_that_cannot_be_drawn_is_a_warning_and_the_store_stays_online(t
     tracker.log_figure(good, "plots/good.png")
     assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/good.png"]
     assert "plots/bad.png not drawn" in caplog.text and not tracker.has_pending()
+
+
+@pytest.mark.parametrize("title", ["a $$ b", "cost $x^$", "$"])
+def test_the_run_plots_draw_any_run_name_as_text(title, tmp_path):
+    """`tracking.run_name='a $$ b'` ended a trained run with matplotlib's mathtext traceback (exit 1,
+    the MLflow run FAILED): the plots' titles hold the run's name, which is text."""
+    from harness import dynamics
+
+    weights = {"step": 4, "depth_weights": [[1.0, 0.0], [0.25, 0.75]], "sublayer_kind": ["attn", "mlp"]}
+    history = [{"step": s, "output_rms_block": [1.0, 2.0], "grad_norm_block": [0.5, 0.1]} for s in (2, 4)]
+    for i, figure in enumerate([dynamics.depth_weights_figure(weights, title),
+                                dynamics.depth_weights_figure({**weights, "depth_weights": None}, title),
+                                dynamics.magnitudes_figure(history, title)]):
+        figure.savefig(tmp_path / f"{i}.png")
+        assert (tmp_path / f"{i}.png").stat().st_size > 0
