@@ -330,3 +330,28 @@ def test_data_of_another_tokenizer_is_one_line_before_the_model_runs(setup, tmp_
     assert code == 2 and len(err) == 1 and "token 300" in err[0] and "vocabulary of 256" in err[0], err
     assert metrics_of(setup) == before
 
+
+
+def test_a_store_deleted_during_the_evaluation_is_one_line_and_not_recreated(setup, tmp_path, capsys, monkeypatch):
+    """MLflow makes an empty SQLite store where a deleted one was, then fails on the missing run:
+    the results are printed, one line says why they were not logged, and no store appears."""
+    import shutil
+
+    import evaluation.heldout as heldout
+
+    store = tmp_path / "copy.db"
+    shutil.copy(Path(setup["uri"].removeprefix("sqlite:///")), store)
+    real = heldout.heldout_metrics
+
+    def score_then_the_store_goes(*args, **kwargs):
+        found = real(*args, **kwargs)
+        store.unlink()
+        return found
+
+    monkeypatch.setattr(heldout, "heldout_metrics", score_then_the_store_goes)
+    capsys.readouterr()
+    assert main([setup["run_id"], "--tracking-uri", f"sqlite:///{store}", "--batch-size", "4", "--max-batches", "1"]) == 1
+    captured = capsys.readouterr()
+    said = [l for l in captured.err.splitlines() if l.startswith("evaluation:")]
+    assert len(said) == 1 and "is gone" in said[0] and "eval/heldout/loss" in captured.out, said
+    assert not store.exists()
