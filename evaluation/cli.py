@@ -187,7 +187,10 @@ def _report(args: argparse.Namespace, source, metrics: dict[str, float], artifac
             raise _Refused(f"--output {out}: cannot write ({e.strerror or e})", 1) from None
     if source.run_id and not args.no_log:
         from .mlflow_results import log_to_run
+        from .source import store_gone
 
+        if store_gone(source):  # MLflow would make an empty store in its place (the results are printed above)
+            raise _Refused(f"not logged to run {source.run_id}: {store_gone(source)}", 1)
         try:
             log_to_run(source.run_id, source.tracking_uri, metrics, artifacts)
         except Exception as e:
