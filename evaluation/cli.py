@@ -72,8 +72,7 @@ def _check_arguments(args: argparse.Namespace, tasks: list[str]) -> None:
     problem = device_problem(args.device) if args.device else None
     if problem:
         raise _Refused(f"--device {args.device}: {problem}", 2)
-    # Checked now: found only after the evaluation (lm-eval tasks can take hours), it lost every
-    # result, and the MLflow logging after it, to a traceback.
+    # now, not after hours of lm-eval tasks with every result lost to a traceback
     problem = output_problem(Path(args.output)) if args.output else None
     if problem:
         raise _Refused(f"--output {args.output}: {problem}", 2)

@@ -308,7 +308,7 @@ class RunFolder:
         if not isinstance(state, dict) or "step" not in state:
             return None, "cannot be read (not a training checkpoint)"
         if "digest" not in state:
-            return None, "has no digest (written before checkpoints carried one): it cannot be verified"
+            return None, "has no digest: it cannot be verified"
         if digest(state) != state["digest"]:
             return None, "is damaged (its content does not match its sha256 digest)"
         theirs = state.get("identity") or {}

@@ -38,8 +38,7 @@ PARENT_ENV = "ATTNRES_PARENT_RUN_ID"  # set by harness.callbacks for the jobs of
 DISK_ERRNOS = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS", "EIO", "EFBIG") if hasattr(errno, n)}
 
 
-# Overrides a default run name leaves out: what it already says (variant, model preset, seed),
-# the sweep (its parent run says it), and keys that do not change what the run computes.
+# Overrides a default run name leaves out: already in it, said by its parent run, or not changing what it computes.
 _NAMED = ("residual", "model", "train.seed", "sweep")
 
 
@@ -110,8 +109,7 @@ def _hydra_mode() -> tuple[bool, str | None, list]:
     if not HydraConfig.initialized():
         return False, None, []
     hc = HydraConfig.get()
-    # the overrides as written: iterating the ListConfig would resolve an override's ${...} (and raise
-    # for an undefined key before validate() could refuse it with one line)
+    # as written: resolving an override's ${...} here would raise before validate() could say one line
     return hc.mode == RunMode.MULTIRUN, hc.runtime.output_dir, OmegaConf.to_container(hc.overrides.task)
 
 
@@ -213,7 +211,7 @@ def _accept(cfg: DictConfig) -> Job:
         _bad_input(error, multirun, output_dir)
     plain = to_plain(spec.cfg)
     identity = {"run_key": run_key(plain), "seed": spec.cfg.train.seed, "variant": spec.cfg.residual.name}
-    folder = RunFolder(run_folder(plain), read_only=rank() != 0, identity=identity)  # under torchrun rank 0 alone writes
+    folder = RunFolder(run_folder(plain), read_only=rank() != 0, identity=identity)  # rank 0 alone writes
     return Job(spec, plain, data, folder, multirun, output_dir, overrides)
 
 
@@ -225,8 +223,7 @@ def _acquire(job: Job) -> None:
         try:
             if not job.cfg.train.resume:
                 replaced = job.folder.record()
-            # The same multirun started twice: its jobs wait for the process holding them, then
-            # find them finished (a sweep's trial held elsewhere is voided instead: RunBusy).
+            # a multirun started twice waits for the jobs held elsewhere (a sweep's trial is voided: RunBusy)
             waiting = job.multirun and not _in_trial()
             job.folder.acquire(fresh=not job.cfg.train.resume, wait=_say_waiting(job.folder) if waiting else None)
         except RunBusy as error:
@@ -258,9 +255,7 @@ def _stop_after_the_job(job: Job, stops: StopSignals):
     try:
         yield
     except Exception as error:
-        # The job ended with an outcome of its own after a stop request (it diverged or was
-        # pruned at the step the signal came in...): a multirun or a sweep would record it and
-        # start its next job, losing the request. (A single run ends with the error's own line.)
+        # a multirun or a sweep would record this outcome and start its next job, losing the stop request
         if not (stops.received and (job.multirun or _in_trial())):
             raise
         failure = error
@@ -333,8 +328,7 @@ def _answer_recorded(job: Job, record: dict[str, Any]) -> float:
             job.refuse(error)
     value = record["final"]["final/val_loss"]
     if not folder.read_only:  # under torchrun rank 0 reports for all
-        # The run folder is keyed by what a run computes, not where it logs: a run finished
-        # into another store is not in this one, which the user would otherwise look for there.
+        # the folder is keyed by what a run computes, not where it logs: say which store holds it
         where = record.get("tracking_uri")
         # (compared as stores: sqlite:///mlflow.db in the project root is the default's file)
         elsewhere = (f" in {where}, not in tracking.uri={c.tracking.uri}"
@@ -402,7 +396,6 @@ def _record_finished(job: Job, final: dict[str, float]) -> float:
 
 
 # --- How a job that raised ends: one line and an exit code, or the exception itself -------------
-# Kinds of ending recognised by their content rather than their class (_kind_of).
 class LostProcess:
     """A collective failed because another process of the launch is gone (distributed.lost_process)."""
 
@@ -421,10 +414,13 @@ class DiskRefused:
 
 @dataclass(frozen=True)
 class Exit:
+    """How a job ends on an error: exit code and the one line on stderr, in `scope`: "all" jobs,
+    "not_trial" (in an Optuna trial the sweeper voids the trial), or "single" runs only (a
+    multirun or a sweep records the exception itself). LostProcess, CtrlCStop, OutOfMemory and
+    DiskRefused are kinds recognised by content (_kind_of), not exception classes."""
+
     code: int
-    line: Callable[[Job, BaseException], str]  # the one line on stderr
-    # all: every job; not_trial: not in an Optuna trial (the sweeper takes the interrupt and voids
-    # the trial); single: a single run only (a multirun or a sweep records the exception itself)
+    line: Callable[[Job, BaseException], str]
     scope: str = "single"
 
 
@@ -432,13 +428,16 @@ def _failed_in(job: Job, separator: str) -> str:
     return f"MLflow run {job.tracker.run_id} FAILED{separator}" if job.tracker.enabled else ""
 
 
+def _at_next_step(job: Job) -> str:
+    return f" at step {job.trainer.step + 1}" if job.trainer is not None else " building the model"
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 EXITS: dict[type, Exit] = {
-    # Another rank died (kill -9, OOM, a node lost): not this run's failure; KILLED and resumable,
-    # exit 75 so that a requeueing script or launcher runs it again.
+    # another rank died (kill -9, OOM, a lost node): not this run's failure, so resumable and requeued
     LostProcess: Exit(REQUEUE_EXIT, lambda job, e: (
         f"{job.label}: stopped{f' at step {job.trainer.step}' if job.trainer is not None else ''}: a process of "
         f"the launch was lost ({' '.join(str(e).split())[:200]}); the same command resumes from the last "
@@ -456,8 +455,8 @@ EXITS: dict[type, Exit] = {
         "(train.retry_failed=true resumes from it)")),
     # The machine's memory: a micro-batch to try (memory_budget refuses up front what cannot fit on a CPU).
     OutOfMemory: Exit(1, lambda job, e: (
-        f"{job.label}: out of memory{f' at step {job.trainer.step + 1}' if job.trainer is not None else ' building the model'}"
-        f" ({_first_line(e)}); {_failed_in(job, '; ')}allowed: {memory_budget.after_out_of_memory(job.spec)}")),
+        f"{job.label}: out of memory{_at_next_step(job)} ({_first_line(e)}); {_failed_in(job, '; ')}"
+        f"allowed: {memory_budget.after_out_of_memory(job.spec)}")),
     # A write the run cannot go on without (its record; a failed checkpoint write does not end it).
     DiskRefused: Exit(1, lambda job, e: (
         f"{job.label}: stopped: {e}{'' if e.filename else f' (run folder {job.folder.path})'}; "
@@ -596,9 +595,7 @@ def _open_tracker(job: Job, record: dict[str, Any] | None, state: dict[str, Any]
         tags["attnres.hydra_output_dir"] = job.output_dir
     if trial is not None:
         tags["optuna.trial_number"] = getattr(trial, "number", "")
-    # run.json names the run (it exists before step 1); the checkpoint names it too, so a record
-    # lost or damaged since does not split one training run over two MLflow runs, the first left
-    # RUNNING and the second missing the steps before the checkpoint.
+    # the checkpoint names the run too: a lost run.json must not split one training run over two MLflow runs
     resume_id = (record or {}).get("mlflow_run_id") or (state or {}).get("mlflow_run_id")
     tracker = MlflowTracker.start(
         c.tracking.uri, c.tracking.experiment or c.sweep.name, job.label,

@@ -36,8 +36,7 @@ class NonFiniteLoss(FloatingPointError):
         self.step = step
 
     def __reduce__(self):
-        # Exceptions unpickle as cls(*args); args holds the message only, so say how to rebuild
-        # it: a failed job's exception crosses process boundaries (launchers) pickled.
+        # a failed job's exception crosses processes pickled, and its args hold the message only
         return (type(self), (str(self), self.step))
 
 
@@ -140,8 +139,7 @@ class Trainer:
         self.forward = torch.compile(wrapped) if spec.compile else wrapped
         self.optimizer = build_optimizer(self.model, self.cfg.optim)  # after wrap: FSDP's parameters
         self.data = data
-        # The single-process held-out set (batches of the single-process micro-batch), of which
-        # each rank evaluates its share: the all-reduced loss is the single-process loss.
+        # each rank evaluates its share of the single-process held-out set: the all-reduce gives its loss
         held_out = val_batches(data.val, spec.data_micro_batch_size, t.seq_len, t.eval_batches)
         # data.loss_on=answers: train and validate on the probe's answer digits only
         compact = self.cfg.data.format == "compact"
@@ -164,8 +162,7 @@ class Trainer:
         self._stop_requested = False
         self.stop_reason = "on request"  # set by request_stop: what the job reports
         self.checkpoint_failures = 0
-        # train/loss and train/grad_norm average the steps since the last log: (loss sum, norm
-        # sum, steps), checkpointed so that a run resumed between two logs reports the same mean
+        # LogWindow.kept(), checkpointed: a run resumed between two logs reports the same means
         self.log_window = (0.0, 0.0, 0)
         self._started = 0.0  # perf_counter() at step 0 of this run, counting earlier attempts
         self.after_step: list[Callable[[StepEnd], None]] = [
@@ -236,10 +233,7 @@ class Trainer:
         an older checkpoint; a disk that stays full shows up in the tags of every run it hits."""
         if self.folder is None:
             return
-        # The loss is checked before each update, but the update itself can overflow the weights
-        # (a loss that was finite, a learning rate far too high): such a state must never replace
-        # the last good checkpoint. One host sync per checkpoint, not per step. Every rank checks
-        # and gathers the state (FSDP: collectives); rank 0 writes (the others' folder is read-only).
+        # a finite loss can still overflow the weights: never over the last good checkpoint (every rank checks)
         if not self.parallel.all_finite(self.model):
             raise NonFiniteLoss(f"non-finite weights after step {self.step} (the update diverged); "
                                 "checkpoint not written, the previous one is kept", self.step)
@@ -294,10 +288,9 @@ class Trainer:
         return self.final_metrics()
 
     def _stop_before_training(self) -> None:
-        # A stop asked for while the checkpoint loaded or the MLflow run opened stops here: what is
-        # on disk is already this step's state, and a first step (a torch.compile on a GPU) could
-        # outlast the scheduler's grace period. Every rank takes part, so none enters a step the
-        # others skip.
+        """A stop asked for while the checkpoint loaded or the MLflow run opened: what is on disk
+        is this step's state already, and a first step (a compile) could outlast the grace period.
+        Every rank takes part, so none enters a step the others skip."""
         if self.parallel.sums(float(self._stop_requested))[0] > 0:
             raise StopRequested(f"stopped at step {self.step} of {self.spec.steps} before training" + RESUME_HINT)
 
@@ -330,8 +323,7 @@ class Trainer:
                     _, loss = self.forward(x, y)
                 (loss / accum).backward()
             loss_sum += loss.detach()
-        # the one sync of the step; under torchrun the mean over ranks, and the ranks agree on a
-        # stop request in the same all-reduce
+        # the step's one sync: under torchrun the mean over ranks, who agree on a stop request in it
         step_loss = self.parallel.step_loss(loss_sum, accum, self._stop_requested)
         if not math.isfinite(step_loss):
             raise NonFiniteLoss(f"non-finite training loss ({step_loss}) at step {self.step + 1}", self.step + 1)

@@ -78,15 +78,14 @@ def isolated(tmp: Path) -> list[str]:
 
 def kill_at_step(step: int) -> list[str]:
     """Overrides that make run.py die like kill -9 right after training step `step` (KillAtStep);
-    the run needs tests/ importable (with_tests_on_path)."""
+    the run needs tests/ importable (pythonpath_with_tests)."""
     return ["+hydra.callbacks.kill_at_step._target_=harness_testing.KillAtStep",
             f"+hydra.callbacks.kill_at_step.step={step}"]
 
 
-def with_tests_on_path(env: dict) -> dict:
-    """`env` with this folder on PYTHONPATH, for a job whose Hydra callbacks live here."""
-    path = os.pathsep.join(p for p in (str(ROOT / "tests"), env.get("PYTHONPATH")) if p)
-    return dict(env, PYTHONPATH=path)
+def pythonpath_with_tests() -> dict:
+    """{"PYTHONPATH": this folder first}, for the environment of a job whose Hydra callbacks live here."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)}
 
 
 class KillAtStep(Callback):
@@ -110,7 +109,7 @@ class KillAtStep(Callback):
 
 def run_cli(args: list[str], tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python run.py ARGS` in the project root, its files in `tmp`."""
-    full_env = with_tests_on_path(dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0", **(env or {})))
+    full_env = dict(os.environ, MPLBACKEND="Agg", HYDRA_FULL_ERROR="0", **{**pythonpath_with_tests(), **(env or {})})
     full_env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args, *isolated(tmp)], cwd=ROOT, env=full_env,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness_testing import ROOT, TINY, client, compose, kill_at_step, run_cli, runs, with_tests_on_path
+from harness_testing import ROOT, TINY, client, compose, kill_at_step, run_cli, runs, pythonpath_with_tests
 
 TORCHRUN = shutil.which("torchrun")
 STEPS = 10
@@ -278,7 +278,7 @@ def test_fsdp_computes_what_one_process_computes_and_resumes_under_ddp(tmp_path)
     two.mkdir()
     single = run_cli(ARGS, one)
     assert single.returncode == 0, single.stderr[-3000:]
-    killed = _torchrun([*ARGS, "train.distributed=fsdp", *kill_at_step(7)], two, env=with_tests_on_path(dict(os.environ)))
+    killed = _torchrun([*ARGS, "train.distributed=fsdp", *kill_at_step(7)], two, env=pythonpath_with_tests())
     code, stderr = _finish(killed)
     assert code != 0 and "exitcode  : 137" in stderr, stderr[-5000:]
     assert torch.load(next((two / "ckpt").rglob("last.pt")), weights_only=True)["step"] == 5
