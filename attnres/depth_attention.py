@@ -65,8 +65,9 @@ def read(queries: torch.Tensor, sources: Sequence[torch.Tensor], state=None, *, 
                           with_weights)
     # one type: the sublayers' (under autocast the embedding is fp32), widened to fp32 for the C kernels
     kind = acc_dtype(sources[-1].dtype) if kernel == "c" else sources[-1].dtype
-    flat = [s.reshape(-1, d).to(kind).contiguous() for s in sources]
-    q = queries.reshape(-1, d).contiguous()
+    flat = [s if s.dim() == 2 and s.dtype == kind and s.is_contiguous() else s.reshape(-1, d).to(kind).contiguous()
+            for s in sources]  # rows already (the residuals' sources): no view, no autograd node per read
+    q = queries if queries.dim() == 2 and queries.is_contiguous() else queries.reshape(-1, d).contiguous()
     init_out, init_lse = (None, None) if state is None else (state[0].reshape(-1, d).contiguous(),
                                                              state[1].reshape(1, -1, heads).contiguous())
     cfg = (heads, normaliser == "sigmoid", key_norm, eps, per_token, dtype)
@@ -75,8 +76,9 @@ def read(queries: torch.Tensor, sources: Sequence[torch.Tensor], state=None, *, 
         outs = out.unbind(0)
     else:
         *outs, lse = fused_read.Read.apply(q, init_out, init_lse, (kernel, *cfg), *flat)
-    return ([o.view(*lead, d) for o in outs], [s.view(*lead, heads) for s in lse.unbind(0)] if with_lse else None,
-            None)
+    if len(lead) > 1:
+        outs = [o.view(*lead, d) for o in outs]
+    return list(outs), ([s.view(*lead, heads) for s in lse.unbind(0)] if with_lse else None), None
 
 
 def _reference(queries, sources, state, per_token, key_norm, eps, normaliser, heads, dtype, with_lse, with_weights):

@@ -139,11 +139,15 @@ class AttentionResidual(Residual):
         sources completed before the chunk, `new` those inside it (Block: the partial sum). Per read,
         reader l reads done + new. Two-phase (static Block/Full, docs/MATH.md): phase one reads `done`
         once for all the chunk's readers (the output read joins the last chunk), phase two continues
-        each reader's read with `new` from the state phase one left."""
-        static, L, chunk = self.query_kind == "static", self.num_layers, self.chunk
+        each reader's read with `new` from the state phase one left. For the kernels, sources and
+        reads are rows (tokens, d), their layout, reshaped once each rather than at every read."""
+        static, L, chunk, shape = self.query_kind == "static", self.num_layers, self.chunk, x.shape
         plan = (kernels.Plan("torch", False) if self.query_kind == "scalar"  # no query, nothing for a kernel to read
                 else kernels.plan(self.sources if static else None, x, self.output_query, weights=want_weights))
         Q = self.effective_queries() if static else None
+        flat = plan.kernel != "torch"
+        unflat = (lambda t: t.view(shape)) if flat else (lambda t: t)  # noqa: E731
+        x = x.reshape(-1, shape[-1]) if flat else x
         done, new, rows, h = [], [x], [], x
         for l, f in enumerate(sublayers):
             if l % chunk == 0:
@@ -160,33 +164,36 @@ class AttentionResidual(Residual):
                 h, w = self.scalar_read(l, self.visible(done + new), h, want_weights)
                 rows.append(w)
             else:
-                outs, _, w = read(self.query(l, h, Q), self.visible(done + new), kernel=plan.kernel, with_weights=want_weights,
-                                  per_token=self.query_kind == "input", **self.opts)
+                outs, _, w = read(self.query(l, unflat(h), Q, flat), self.visible(done + new), kernel=plan.kernel,
+                                  per_token=self.query_kind == "input", with_weights=want_weights, **self.opts)
                 h = outs[0]
                 rows.append(w and w[0])
-            v = f(h)
-            self.observe(l, h, v)
+            h_in = unflat(h)
+            v = f(h_in)
+            self.observe(l, h_in, v)
+            v = v.reshape(x.shape) if flat else v
             new = [new[0] + v] if self.sources == "block" and new else new + [v]
         if plan.two_phase:
-            return read(Q[L:], new, (outs[-1], lse[-1]), kernel=plan.kernel, **self.opts)[0][0].to(x.dtype), None
+            return unflat(read(Q[L:], new, (outs[-1], lse[-1]), kernel=plan.kernel, **self.opts)[0][0].to(x.dtype)), None
         if self.query_kind == "scalar":
             out, w = self.scalar_read(L, self.visible(done + new), h, want_weights)
         else:
-            outs, _, w = read(self.query(L, h, Q), self.visible(done + new), kernel=plan.kernel, with_weights=want_weights,
-                              **self.opts)
+            outs, _, w = read(self.query(L, unflat(h), Q, flat), self.visible(done + new), kernel=plan.kernel,
+                              with_weights=want_weights, **self.opts)
             out, w = outs[0], w and w[0]
-        return out, (self.weight_table(rows + [w]) if want_weights else None)
+        return unflat(out), (self.weight_table(rows + [w]) if want_weights else None)
 
-    def query(self, l: int, h_prev: torch.Tensor, Q: Optional[torch.Tensor]) -> torch.Tensor:
+    def query(self, l: int, h_prev: torch.Tensor, Q: Optional[torch.Tensor], rows: bool) -> torch.Tensor:
         """Reader l's query, its key-norm gain folded in: a row of the static queries Q (1, d), or
-        projected from the hidden state the previous sublayer read (..., d)."""
+        projected from the hidden state the previous sublayer read (..., d; `rows`: (tokens, d))."""
         if Q is not None:
             return Q[l : l + 1]
         if l == self.num_layers:  # the output read's query is static for every query kind
             q = self.output_query[None]
             return q * self.output_norm.weight if self.key_norm else q
         q = self.query_projections[l](h_prev)
-        return q * self.key_norms[l].weight if self.key_norm else q
+        q = q * self.key_norms[l].weight if self.key_norm else q
+        return q.reshape(-1, self.d_model) if rows else q
 
     def scalar_read(self, l: int, sources: list, h_prev: torch.Tensor, want_weights: bool):
         """Reader l with learned logits per source instead of a query: h and, if wanted, its weights."""
