@@ -161,7 +161,7 @@ def _client(tracking_uri: str):
         path = tracking_uri[len("sqlite:///"):] if tracking_uri.startswith("sqlite:///") else ""
         if not path or not Path(path).is_file():
             raise AnalysisInputError(f"tracking database not found: {path or tracking_uri}")
-        from harness.tracking import sqlite_damage  # a cut-short or damaged file: one line, not SQLAlchemy's trace
+        from .sqlite_store import sqlite_damage  # a cut-short or damaged file: one line, not SQLAlchemy's trace
         if sqlite_damage(Path(path)):
             raise AnalysisInputError(f"--tracking-uri {tracking_uri}: {sqlite_damage(Path(path))}")
     elif parsed.scheme in ("", "file"):
