@@ -332,6 +332,7 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
     dyn_runs = abl_runs if len(abl_runs) else _one_configuration(fin)
     tuned, tuned_extra, tuned_note = _tuned_lr_runs(fin, abl_runs)
 
+    robust = fin[fin["section"] == "robustness"]
     jobs = [
         ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note,
                                                                   opts.n_boot, opts.seed,
@@ -340,9 +341,9 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
             abl_runs, out, opts.target_delta, histories=runset.histories)),
         ("Ablation at each variant's tuned learning rate", lambda: sec.tuned_lr_section(
             tuned, tuned_extra, paper, out, tuned_note)),
-        ("Why Full trails", lambda: sec.full_section(
+        (sec.full.TITLE, lambda: sec.full_section(
             abl_runs, tuned, tuned_extra, _same_recipe(fin[fin["section"] == "block_size"], abl_runs),
-            runset.histories, out)),
+            runset.histories, out, sec.robustness.outcome(pd.concat([abl_runs, robust]), "full", opts.level))),
         ("Block size (paper Fig. 6)", lambda: sec.block_size_section(
             fin[fin["section"] == "block_size"], paper, out,
             _repeats(fin[fin["section"] == "block_size"], abl_runs))),
@@ -358,7 +359,6 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
             dyn_runs, runset.instrumentation, out)),
         ("Training curves", lambda: sec.curves_section(runset, out)),
     ]
-    robust = fin[fin["section"] == "robustness"]
     if len(robust):  # only where such runs exist: a study without them reads as it did
         jobs.insert(4, (sec.robustness.TITLE, lambda: sec.robustness_section(
             pd.concat([abl_runs, robust]), out, opts.level)))

@@ -247,3 +247,23 @@ def test_a_setting_short_of_its_first_look_shows_its_pairs_but_no_verdict():
     assert row["seeds"] == 2 and np.isnan(row["sign"]) and row["verdict"] == "not started"
     assert row["diff"] == pytest.approx(np.mean(LOWER[:2]), abs=1e-12)
     assert _outcome(runs, E5).startswith("undecided at model.norm_eps=1e-05: 2 seeds")
+
+
+def test_the_full_section_takes_its_verdict_from_the_robustness_runs(tmp_path):
+    """Full's section hears how full − baseline fared over the nuisance settings: a setting that
+    resolves the other way makes its words say the gap reverses, never a finding."""
+    from analysis import sections as sec
+    from analysis.report import _write_report, Options
+    from analysis.runs import RunSet
+
+    def as_full(rows):
+        return [{**r, "variant": "full", "run_id": r["run_id"].replace("block", "full")} if r["variant"] == "block"
+                else r for r in rows]
+
+    runs = _frame(as_full(_rows(HIGHER, "study_cpu")), as_full(_rows(LOWER, "robustness_eps", norm_eps="1e-10")))
+    assert sec.robustness.outcome(runs, "full") == "reverses"
+    assert sec.robustness.outcome(_frame(as_full(_rows(HIGHER, "study_cpu"))), "full") is None
+    _write_report(RunSet(runs), tmp_path, Options(n_boot=0))
+    report = (tmp_path / "REPORT.md").read_text()
+    part = report.split(sec.full.TITLE, 1)[1].split("\n## ", 1)[0]
+    assert "revers" in part and "not varied in these runs" not in part

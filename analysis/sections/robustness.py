@@ -31,6 +31,18 @@ def _declaration(runs: pd.DataFrame, level: float) -> tuple[rob.Declaration, int
     return decl, int(sum(s is None for s in settings))
 
 
+def outcome(runs: pd.DataFrame, variant: str, level: float = 0.95) -> str | None:
+    """How `variant` − baseline fared over the nuisance settings the runs cover: "survives",
+    "reverses" or "undecided"; None when no setting besides the default pairs it with the baseline."""
+    decl, _ = _declaration(runs, level)
+    comparison = f"{variant} − baseline"
+    if len(decl.settings) < 2 or (variant, "baseline") not in decl.comparisons:
+        return None
+    verdicts = rob.survival(rob.judge(runs, decl, sweeps=False), decl.plan)
+    said = verdicts.loc[verdicts["comparison"] == comparison, "outcome"].iloc[0]
+    return "survives" if said == "survives" else "reverses" if said.startswith("reverses") else "undecided"
+
+
 def robustness_section(runs: pd.DataFrame, out: Path, level: float = 0.95) -> Section:
     """``runs``: the ablation's finished runs (the default setting) and the robustness sweeps'."""
     decl, several = _declaration(runs, level)
