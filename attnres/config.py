@@ -60,7 +60,7 @@ class ModelConfig:
     d_ff: Optional[int] = None  # None: SwiGLU width ≈ 8/3·d_model rounded up to a multiple of 32
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
-    norm_eps: float = 1e-6  # every RMSNorm's epsilon, unless one of the three below names its own
+    norm_eps: float = 1e-10  # every RMSNorm's ε unless a family below sets its own; the rule: docs/MATH.md
     prenorm_eps: Optional[float] = None  # the sublayers' PreNorms; None: norm_eps
     residual_norm_eps: Optional[float] = None  # the residual's own norms (depth-read keys, HC streams); None: norm_eps
     final_norm_eps: Optional[float] = None  # the norm before the LM head; None: norm_eps

@@ -41,3 +41,21 @@ def test_the_measurement_sees_what_each_family_is_fed():
     """Scaling the embedding by 10 (embed_std 0.2) scales the baseline's PreNorm inputs by ~100."""
     small, large = at_init("baseline"), at_init("baseline", embed_std=0.2)
     assert large["prenorm"] / small["prenorm"] == pytest.approx(100, rel=0.2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_default_epsilon_is_a_hundredth_of_the_least_any_norm_is_fed_at_init(variant):
+    """docs/MATH.md's rule for model.norm_eps, which looks at no result: at most 1% of the smallest
+    mean square any family of norms is fed at initialisation, at the study's shape on real text,
+    for every variant. A default that binds (1e-6 for Full: 3x its keys' mean square) fails here."""
+    default = ModelConfig().norm_eps
+    fed = [m for m in at_init(variant).values() if m is not None]
+    assert default <= 0.01 * min(fed), (variant, default, min(fed))
+
+
+def test_the_old_default_binds_for_full_and_not_for_the_baseline():
+    """What the rule guards against, measured: 1e-6 is more than 1% of what Full's norms are fed at
+    init, and less than 1% of what the baseline's are."""
+    full = [m for m in at_init("full").values() if m is not None]
+    base = [m for m in at_init("baseline").values() if m is not None]
+    assert 1e-6 > 0.01 * min(full) and 1e-6 < 0.01 * min(base)
