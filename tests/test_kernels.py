@@ -609,7 +609,7 @@ def test_twenty_training_steps_reach_the_same_loss(path, backend, variant):
 def test_paths_trace_with_torch_compile(path, backend, variant):
     """One graph, no break (fullgraph=True): AOTAutograd traces the PyTorch path's autograd
     functions and the kernels' custom ops (fake tensors, registered backward). aot_eager keeps
-    the test fast; the numbers must not move."""
+    the test fast; the numbers move by rounding only."""
     path(backend, "two_phase")
     torch._dynamo.reset()
     res = _module(variant, num_layers=4, block_size=2)
@@ -617,7 +617,9 @@ def test_paths_trace_with_torch_compile(path, backend, variant):
     x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
     want = _run(res, x, subs, ws)
     compiled = torch.compile(res, backend="aot_eager", fullgraph=True)
-    tol = dict(rtol=1e-6, atol=1e-6)  # the same kernels (fp32)
+    # the same kernels (fp32); the compiled graph may sum a parameter's gradient over its uses in
+    # another order, which moves a gradient with cancellation by ~1e-6 absolute
+    tol = dict(rtol=1e-6, atol=5e-6)
     _compare(_run(compiled, x, subs, ws), want, tol, f"compiled {backend} path, {variant}")
     # Without grad too (an evaluation of a compiled model): Dynamo then inlines an
     # autograd.Function's forward, and once read its arguments shifted by one (a graph break).
