@@ -67,6 +67,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     embed_std: Optional[float] = None  # σ of the token embedding; None: init_std (GPT-2's choice)
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2's attention)
+    qk_norm: bool = False  # an RMSNorm (ε: the PreNorms') over each head's q and k before RoPE (Qwen3's attention)
 
     def eps(self, norm: str) -> float:
         """The epsilon of one family of norms: "prenorm", "residual_norm" or "final_norm"."""

@@ -65,9 +65,13 @@ class CausalSelfAttention(nn.Module):
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.rope_theta, self.max_seq_len = cfg.rope_theta, cfg.max_seq_len
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
-        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        # k and v fused: with qkv_bias its bias is (k's bias, v's bias), as the weight's rows are
+        self.kv_proj = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.out_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+        # one weight of head_dim shared by every head; absent unless asked, so the state dict is as before
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.eps("prenorm")) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.eps("prenorm")) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cache: Optional["KVCache"] = None, slot: int = 0) -> torch.Tensor:
         """Causal attention over x (B, T, d); with a cache, x holds the T tokens that follow the
@@ -77,6 +81,8 @@ class CausalSelfAttention(nn.Module):
         start = 0 if cache is None else cache.length
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k, v = self.kv_proj(x).view(B, T, 2, self.n_kv_heads, self.head_dim).unbind(2)
+        if self.q_norm is not None:  # per head, before the rotation (Qwen3's order)
+            q, k = self.q_norm(q), self.k_norm(k)
         # One table of max_seq_len rows, sliced (row t does not depend on the table's length), so a
         # compiled model does not specialise on T.
         rows = self.max_seq_len if start + T <= self.max_seq_len else start + T

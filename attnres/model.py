@@ -48,6 +48,8 @@ class DecoderLM(nn.Module):
             if p.dim() == 2:
                 scaled = name.endswith(("out_proj.weight", "down.weight"))
                 nn.init.normal_(p, std=std / math.sqrt(self.config.sublayers) if scaled else std)
+            elif name.endswith(".bias"):  # model.qkv_bias: zero, not nn.Linear's uniform draw
+                nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None):
         """Logits (B, T, vocab) for token ids idx (B, T), and the loss when targets are given.

@@ -121,7 +121,7 @@ def register_resolvers() -> None:
 # finds its finished runs instead of training them again).
 NEUTRAL = {"data.loss_on": "all", "data.format": "assign", "data.aligned": False, "model.embed_std": None,
            "model.prenorm_eps": None, "model.residual_norm_eps": None, "model.final_norm_eps": None,
-           "model.init_from": None}
+           "model.init_from": None, "model.qkv_bias": False, "model.qk_norm": False}
 NOT_IDENTITY = (
     "tracking.", "train.progress", "train.checkpoint_dir", "train.resume", "train.checkpoint_interval",
     "train.log_interval", "train.threads", "train.keep_freed_memory", "train.distributed", "train.retry_failed",

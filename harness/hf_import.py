@@ -3,12 +3,13 @@
     python run.py model.init_from=path/to/llama residual=block
 
 The folder's config.json gives the model's shape (d_model, layers, heads, d_ff, RoPE θ, RMSNorm ε,
-tied embeddings); its safetensors weights replace the embedding, every sublayer, the final norm and
-the head of the run's freshly built DecoderLM, whose residual keeps its own init (the paper's). With
-residual=baseline the model computes what the checkpoint does. Read with safetensors alone: no
-transformers needed. Both use the GPT-NeoX half-split RoPE layout (rotate_half), so q and k are
-copied as they are. What DecoderLM cannot hold (q/k/v or MLP biases, Qwen3's q_norm/k_norm, scaled
-RoPE, sliding windows, a head_dim other than d_model / n_heads) is refused in one line.
+tied embeddings; Qwen2's q/k/v biases as model.qkv_bias, Qwen3's per-head q/k norms as model.qk_norm);
+its safetensors weights replace the embedding, every sublayer, the final norm and the head of the
+run's freshly built DecoderLM, whose residual keeps its own init (the paper's). With residual=baseline
+the model computes what the checkpoint does. Read with safetensors alone: no transformers needed.
+Both families use the GPT-NeoX half-split RoPE layout (rotate_half), so q and k are
+copied as they are. What DecoderLM cannot hold (an output-projection or MLP bias, scaled RoPE, sliding
+windows, a head_dim other than d_model / n_heads) is refused in one line.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _check_architecture(c: dict, where: Any) -> None:
 
     if c.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act={c['hidden_act']!r} (DecoderLM's MLP is SwiGLU: silu)")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias"):  # attention_bias biases o_proj too (Qwen2's q/k/v biases are not it)
         if c.get(key):
             refuse(f"{key}=true")
     if c.get("use_sliding_window"):
@@ -74,6 +75,7 @@ def shape_of(config: dict) -> dict:
         "d_ff": config["intermediate_size"], "rope_theta": float(rope.get("rope_theta", config.get("rope_theta") or 10000.0)),
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)), "prenorm_eps": None, "final_norm_eps": None,
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "qkv_bias": config["model_type"] == "qwen2", "qk_norm": config["model_type"] == "qwen3",
     }
 
 
@@ -104,9 +106,12 @@ def load_into(model: torch.nn.Module, folder: str | Path) -> None:
     target = {k: v for k, v in model.state_dict().items() if not k.startswith("residual.")}
     if shape["tie_embeddings"]:
         target.pop("lm_head.weight", None)
-    missing = sorted(set(target) - set(ours))
+    missing, unplaced = sorted(set(target) - set(ours)), sorted(set(ours) - set(target))
     if missing:
         raise ImportRefused(f"model.init_from={folder}: no weights for {', '.join(missing[:4])}")
+    if unplaced:  # a model built without the checkpoint's qkv_bias / qk_norm (run_model_config sets them)
+        raise ImportRefused(f"model.init_from={folder}: the model has no {unplaced[0]}; allowed: a model built with "
+                            f"qkv_bias={shape['qkv_bias']}, qk_norm={shape['qk_norm']} as the checkpoint")
     with torch.no_grad():
         for name, value in ours.items():
             if tuple(value.shape) != tuple(target[name].shape):
@@ -126,6 +131,12 @@ def _converted(state: dict[str, torch.Tensor], shape: dict) -> dict[str, torch.T
         out[attn + "op.q_proj.weight"] = state[hf + "self_attn.q_proj.weight"]
         out[attn + "op.kv_proj.weight"] = torch.cat([state[hf + "self_attn.k_proj.weight"], state[hf + "self_attn.v_proj.weight"]])
         out[attn + "op.out_proj.weight"] = state[hf + "self_attn.o_proj.weight"]
+        if shape["qkv_bias"]:
+            out[attn + "op.q_proj.bias"] = state[hf + "self_attn.q_proj.bias"]
+            out[attn + "op.kv_proj.bias"] = torch.cat([state[hf + "self_attn.k_proj.bias"], state[hf + "self_attn.v_proj.bias"]])
+        if shape["qk_norm"]:
+            out[attn + "op.q_norm.weight"] = state[hf + "self_attn.q_norm.weight"]
+            out[attn + "op.k_norm.weight"] = state[hf + "self_attn.k_norm.weight"]
         out[mlp + "norm.weight"] = state[hf + "post_attention_layernorm.weight"]
         out[mlp + "op.gate_up.weight"] = torch.cat([state[hf + "mlp.gate_proj.weight"], state[hf + "mlp.up_proj.weight"]])
         out[mlp + "op.down.weight"] = state[hf + "mlp.down_proj.weight"]
@@ -138,6 +149,10 @@ def _expected_names(shape: dict) -> set[str]:
         names |= {f"model.layers.{i}.{k}.weight" for k in (
             "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        if shape["qkv_bias"]:
+            names |= {f"model.layers.{i}.self_attn.{k}_proj.bias" for k in "qkv"}
+        if shape["qk_norm"]:
+            names |= {f"model.layers.{i}.self_attn.{k}_norm.weight" for k in "qk"}
     return names
 
 
@@ -145,11 +160,8 @@ def _check_names(names: set[str], shape: dict, folder: Path) -> None:
     # A tied checkpoint may still carry lm_head.weight (a copy of the embedding): harmless.
     extra = sorted(names - _expected_names(shape) - {"lm_head.weight"})
     if extra:
-        first = extra[0]
-        why = ("q/k/v biases" if first.endswith("_proj.bias") else "Qwen3's q_norm/k_norm" if "_norm." in first
-               and "self_attn" in first else "a tensor DecoderLM has no place for")
-        raise ImportRefused(f"model.init_from={folder}: {first} ({why}; {len(extra)} such tensors) cannot be held by "
-                            "DecoderLM; allowed: Llama-style checkpoints without biases or q/k norms")
+        raise ImportRefused(f"model.init_from={folder}: {extra[0]} ({len(extra)} such tensors) has no place in DecoderLM; "
+                            "allowed: Llama's tensors, with Qwen2's q/k/v biases or Qwen3's q/k norms")
     missing = sorted(_expected_names(shape) - names)
     if missing:
         raise ImportRefused(f"model.init_from={folder}: the weights lack {missing[0]} ({len(missing)} tensors missing)")

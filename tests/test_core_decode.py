@@ -112,3 +112,20 @@ def test_a_cache_filled_in_one_dtype_refuses_another_until_reset():
         cache.reset()
         m(idx, cache=cache)
     assert cache.length == 4 and cache.keys[0].dtype == torch.float64
+
+
+@pytest.mark.parametrize("variant", ["baseline", "block", "mhc"])
+def test_decoding_with_qkv_bias_and_qk_norm_equals_the_full_forward(variant):
+    """The cache holds keys after their bias, per-head norm and rotation (float64, to 1e-12)."""
+    torch.manual_seed(0)
+    m = DecoderLM(ModelConfig(**TINY, qkv_bias=True, qk_norm=True), ResidualConfig(name=variant, block_size=2)).double().eval()
+    with torch.no_grad():  # biases off zero and norm weights off one, so a skipped one shows
+        for n, p in m.named_parameters():
+            if n.endswith(("_proj.bias", "_norm.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+    idx = tokens()
+    with torch.no_grad():
+        full = m(idx)[0]
+        cache = m.kv_cache(2, 16)
+        parts = [m(idx[:, :4], cache=cache)[0]] + [m(idx[:, t : t + 1], cache=cache)[0] for t in range(4, idx.shape[1])]
+    torch.testing.assert_close(torch.cat(parts, 1), full, **TOL[torch.float64])

@@ -564,3 +564,57 @@ def test_each_norm_family_takes_its_own_epsilon_and_falls_back_to_norm_eps(varia
     assert torch.equal(a(idx)[0], b(idx)[0])
     with pytest.raises(ValueError):
         ModelConfig(**base, residual_norm_eps=float("nan"))
+
+
+def test_qkv_bias_and_qk_norm_are_absent_unless_asked_and_start_neutral():
+    """Off (the default): no new state-dict keys. On: q/k/v biases (k's and v's in kv_proj's one
+    bias) start at zero and the per-head q/k norms (one head_dim weight each, the PreNorms' ε) at one."""
+    plain = tiny("block")
+    assert not [k for k in plain.state_dict() if k.endswith(".bias") or "q_norm" in k or "k_norm" in k]
+    m = tiny("block", qkv_bias=True, qk_norm=True, prenorm_eps=1e-7)
+    extra = sorted(set(m.state_dict()) - set(plain.state_dict()))
+    per_layer = ["op.k_norm.weight", "op.kv_proj.bias", "op.q_norm.weight", "op.q_proj.bias"]
+    assert extra == sorted(f"sublayers.{2 * i}.{k}" for i in range(TINY["layers"]) for k in per_layer)
+    attn = m.sublayers[0].op
+    assert attn.q_proj.bias.shape == (32,) and attn.kv_proj.bias.shape == (2 * 2 * 8,)
+    assert attn.q_norm.weight.shape == (8,) and attn.q_norm.eps == attn.k_norm.eps == 1e-7
+    assert not attn.q_proj.bias.any() and not attn.kv_proj.bias.any() and bool((attn.k_norm.weight == 1).all())
+
+
+def test_qkv_bias_and_qk_norm_compute_biased_then_per_head_normed_then_rotated_attention():
+    """Attention with both options against a by-hand float64 reference: q = xWqᵀ + bq, k and v likewise,
+    an RMSNorm over each head's q and k with one shared head_dim weight, then RoPE (to 1e-12)."""
+    import torch.nn.functional as F
+
+    from attnres.layers import apply_rope, rope_tables
+
+    torch.manual_seed(1)
+    m = DecoderLM(ModelConfig(**TINY, qkv_bias=True, qk_norm=True, norm_eps=1e-6)).double()
+    attn = m.sublayers[0].op
+    with torch.no_grad():
+        for p in (attn.q_proj.bias, attn.kv_proj.bias, attn.q_norm.weight, attn.k_norm.weight):
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    wk, wv = attn.kv_proj.weight.chunk(2)
+    bk, bv = attn.kv_proj.bias.chunk(2)
+
+    def heads(y, n, norm=None):
+        y = y.view(2, 7, n, 8)
+        return y if norm is None else y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+
+    cos, sin = rope_tables(7, 8, TINY.get("rope_theta", 10000.0), "cpu", torch.float64)
+    q = apply_rope(heads(x @ attn.q_proj.weight.T + attn.q_proj.bias, 4, attn.q_norm), cos, sin)
+    k = apply_rope(heads(x @ wk.T + bk, 2, attn.k_norm), cos, sin)
+    v = heads(x @ wv.T + bv, 2)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1),
+                                       v.transpose(1, 2).repeat_interleave(2, 1), is_causal=True)
+    want = y.transpose(1, 2).reshape(2, 7, 32) @ attn.out_proj.weight.T
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), want, rtol=0, atol=1e-12)
+
+
+def test_qkv_bias_and_qk_norm_train_and_every_parameter_gets_a_gradient():
+    m, idx = tiny("full", qkv_bias=True, qk_norm=True), tokens()
+    m(idx, idx)[1].backward()
+    new = [p for n, p in m.named_parameters() if n.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight"))]
+    assert len(new) == 4 * TINY["layers"] and all(p.grad is not None and p.grad.abs().sum() > 0 for p in new)

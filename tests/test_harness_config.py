@@ -272,9 +272,17 @@ def test_an_option_at_its_neutral_value_leaves_the_run_key_as_it_was_before_the_
     for section, key, neutral, other in (("data", "format", "assign", "compact"), ("data", "aligned", False, True),
                                          ("model", "embed_std", None, 1.0), ("model", "prenorm_eps", None, 1e-8),
                                          ("model", "residual_norm_eps", None, 1e-8),
-                                         ("model", "final_norm_eps", None, 1e-8)):
+                                         ("model", "final_norm_eps", None, 1e-8), ("model", "qkv_bias", False, True),
+                                         ("model", "qk_norm", False, True)):
         with_option = copy.deepcopy(plain)
         with_option.setdefault(section, {})[key] = neutral
         assert NEUTRAL[f"{section}.{key}"] == neutral and run_key(with_option) == run_key(plain)
         with_option[section][key] = other
         assert run_key(with_option) != run_key(plain)
+
+
+def test_qkv_bias_and_qk_norm_reach_the_runs_model_and_default_off():
+    off = validate(compose(["model=tiny", "train.device=cpu"])).cfg.model
+    assert (off.qkv_bias, off.qk_norm) == (False, False)
+    on = validate(compose(["model=tiny", "train.device=cpu", "model.qkv_bias=true", "model.qk_norm=true"])).cfg.model
+    assert (on.qkv_bias, on.qk_norm) == (True, True)

@@ -30,9 +30,9 @@ def checkpoint(folder: Path, kind: str = "llama", **overrides) -> tuple[Path, to
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[kind]
     model = model_cls(config_cls(**{**SHAPE, "head_dim": 8, **overrides})).eval()
-    with torch.no_grad():  # norms off their all-ones init, so a misplaced norm shows
+    with torch.no_grad():  # norms off their all-ones init and biases off zero, so a misplaced one shows
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return folder, model
@@ -58,11 +58,21 @@ def test_the_baseline_computes_what_the_llama_checkpoint_computes(tmp_path, tied
     assert torch.allclose(got, want, rtol=0, atol=ATOL), float((got - want).abs().max())
 
 
-def test_qwen3s_q_and_k_norms_are_refused_by_name(tmp_path):
-    folder, _ = checkpoint(tmp_path / "qwen3", kind="qwen3")
-    with pytest.raises(hf_import.ImportRefused, match=r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight") as error:
-        imported(folder)
-    assert "\n" not in str(error.value)
+@pytest.mark.parametrize("kind, bias, norm", [("qwen2", True, False), ("qwen3", False, True)])
+def test_the_baseline_computes_what_a_qwen_checkpoint_computes(tmp_path, kind, bias, norm):
+    """Qwen2's q/k/v biases (model.qkv_bias) and Qwen3's per-head q/k RMSNorms before RoPE (model.qk_norm)."""
+    folder, hf = checkpoint(tmp_path / kind, kind=kind, rope_theta=1000000.0)
+    ours = imported(folder)
+    assert (ours.config.qkv_bias, ours.config.qk_norm) == (bias, norm)
+    attn = ours.sublayers[2].op
+    assert (attn.q_proj.bias is not None, attn.q_norm is not None) == (bias, norm)
+    idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = hf(idx).logits, ours(idx)[0]
+        assert torch.allclose(got, want, rtol=0, atol=ATOL), float((got - want).abs().max())
+        cache = ours.kv_cache(2, 40)  # prefill then one token at a time: the same logits as one forward
+        steps = [ours(idx[:, :30], cache=cache)[0]] + [ours(idx[:, t : t + 1], cache=cache)[0] for t in range(30, 40)]
+    assert torch.allclose(torch.cat(steps, 1), want, rtol=0, atol=ATOL)
 
 
 def test_a_sharded_bfloat16_checkpoint_imports_widened(tmp_path):
@@ -94,9 +104,19 @@ def test_other_variants_keep_their_own_init_and_take_every_other_weight(tmp_path
 
 def test_what_decoderlm_cannot_hold_is_refused_in_one_line(tmp_path):
     qwen2, _ = checkpoint(tmp_path / "qwen2", kind="qwen2")
-    with pytest.raises(hf_import.ImportRefused, match="bias") as error:
+    with pytest.raises(hf_import.ImportRefused, match="bias") as error:  # a model built without model.qkv_bias
         hf_import.load_into(DecoderLM(ModelConfig(vocab_size=256, d_model=32, layers=2, n_heads=4, n_kv_heads=2, d_ff=64)), qwen2)
     assert "\n" not in str(error.value)
+    for kind in ("llama", "qwen3"):  # attention_bias: o_proj's bias as well, which DecoderLM has no place for
+        biased, _ = checkpoint(tmp_path / f"{kind}_bias", kind=kind, attention_bias=True)
+        with pytest.raises(hf_import.ImportRefused, match="attention_bias"):
+            hf_import.read_config(biased)
+    windowed, _ = checkpoint(tmp_path / "qwen2_window", kind="qwen2", use_sliding_window=True, sliding_window=16)
+    with pytest.raises(hf_import.ImportRefused, match="sliding"):
+        hf_import.read_config(windowed)
+    qwen3_wide, _ = checkpoint(tmp_path / "qwen3_wide", kind="qwen3", head_dim=16)
+    with pytest.raises(hf_import.ImportRefused, match="head_dim"):
+        hf_import.read_config(qwen3_wide)
     scaled, _ = checkpoint(tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(hf_import.ImportRefused, match="RoPE"):
         hf_import.read_config(scaled)
