@@ -11,7 +11,7 @@ See docs/DATA.md. Modules: config (types), corpus (stdlib and text files), shard
 cache (on-disk cache), batches, multihop, load (load_data), prepare (Hugging Face → shards CLI).
 """
 from .batches import batch_iterator, val_batches
-from .config import SOURCES, DataConfig, DataError, TokenData
+from .datatypes import SOURCES, DataConfig, DataError, TokenData
 from .load import load_data
 from .multihop import Example, MultiHopProbe, resolve
 from .shards import read_nanogpt_bin, read_shard, write_nanogpt_bin, write_shard

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from .config import DataError
+from .datatypes import DataError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import cache
-from .config import DataError
+from .datatypes import DataError
 
 # Third-party code (differs per machine), test suites (larger than the library, full of fixtures)
 # and generated tables (repetitive, an unrepresentatively easy validation split).

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .config import FORMATS, LOSS_ON, SOURCES, DataConfig, DataError, TokenData
+from .datatypes import FORMATS, LOSS_ON, SOURCES, DataConfig, DataError, TokenData
 from .corpus import list_stdlib_files, list_text_files, load_corpus, stdlib_root
 from .memory import available_bytes, check_corpus_fits
 from .multihop import MultiHopProbe

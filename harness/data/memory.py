@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from .config import DataError
+from .datatypes import DataError
 
 GIB = 1 << 30
 SLACK = 1.1  # the estimate below is up to 10% under the peak measured (allocator rounding, slices)

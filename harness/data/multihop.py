@@ -16,7 +16,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .config import FORMATS, DataConfig, DataError
+from .datatypes import FORMATS, DataConfig, DataError
 
 SEPARATOR = "\n"
 LETTERS = string.ascii_lowercase

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import cache
-from .config import DataError
+from .datatypes import DataError
 from .memory import available_bytes, check_tokens_fit
 
 SHARD_MAGIC = 20240520
