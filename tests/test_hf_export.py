@@ -254,3 +254,25 @@ def test_labels_and_a_cache_continued_by_hand(tmp_path):
         rest = hf(idx[:, 12:], use_cache=True, **{name: getattr(first, name)})
         whole = hf(idx).logits
     assert torch.allclose(torch.cat([first.logits, rest.logits], 1), whole, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("options", [dict(qkv_bias=True), dict(qk_norm=True), dict(qkv_bias=True, qk_norm=True)])
+def test_qwen_style_attention_round_trips_and_generates_with_the_cache(tmp_path, options):
+    """model.qkv_bias (Qwen2) and model.qk_norm (Qwen3): in config.json, reloaded with the run's logits
+    (float32, ATOL) and greedy generate with the cache equal to attnres' own."""
+    model = tiny("block", **options)
+    with torch.no_grad():  # biases off zero and norm weights off one, so a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+    _, out = exported(tmp_path, model)
+    saved = json.loads((out / "config.json").read_text())["attnres_model"]
+    assert {k: saved[k] for k in options} == options
+    hf = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = hf(idx).logits, model(idx)[0]
+    assert torch.allclose(got, want, rtol=0, atol=ATOL), float((got - want).abs().max())
+    prompt = torch.tensor([[72, 101, 108, 108, 111], [87, 111, 114, 108, 100]])
+    cached = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+    assert cached.tolist() == model.generate(prompt, 10, temperature=0).tolist()

@@ -177,3 +177,18 @@ def test_run_py_continues_training_an_imported_checkpoint(tmp_path):
     bad = run_cli([*common, f"model.init_from={tmp_path / 'nowhere'}"], tmp_path)
     assert bad.returncode == 2
     assert str(tmp_path / "nowhere") in bad.stderr.strip().splitlines()[-1] and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_an_imported_qwen_checkpoint_exports_with_the_checkpoints_logits(tmp_path, kind):
+    """Import, save, export (its own reload check) and reload: transformers' model's logits (float32, ATOL)."""
+    import attnres
+    from evaluation.export import export
+
+    folder, hf = checkpoint(tmp_path / kind, kind=kind)
+    attnres.save_pretrained(imported(folder), tmp_path / "ck")
+    out = export(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    idx = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.allclose(again(idx).logits, hf(idx).logits, rtol=0, atol=ATOL)
