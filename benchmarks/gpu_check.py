@@ -49,26 +49,11 @@ def read_cases(full: bool) -> list[tuple]:
             for case in ((shape, True, n1, p1), (shape, False, n2, p2))]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="small, on CPU under Triton's interpreter (tests the script)")
-    ap.add_argument("--full", action="store_true", help="every combination of the read's knobs (32 cases per dtype, not 8)")
-    ap.add_argument("--quick", action="store_true", help="one case of each kind of check (what run_gpu.sh --dry-run runs)")
-    args = ap.parse_args(argv)
-    # --smoke: the same checks on CPU tensors under TRITON_INTERPRET=1, small (tests the script).
-    smoke = args.smoke
-    if not kernels.triton_available():
-        ap.error("Triton is not installed (pip install triton)")
-    if not (smoke or torch.cuda.is_available()):
-        ap.error("no CUDA device here (torch.cuda.is_available() is False); allowed without one: --smoke")
-    dev, ok = ("cpu" if smoke else "cuda"), True
-    T = 5 if smoke else 333
-    kernels.set_backend("triton" if smoke else None)
-    from attnres.kernels import triton_kernels  # after the interpreter's switch (--smoke)
-
-    g = torch.Generator(device="cpu").manual_seed(0)
+def check_reads(g, dev: str, T: int, full: bool, quick: bool) -> bool:
+    """One read and its gradients against depth_read's PyTorch path in float64, fp32 and bf16."""
+    ok = True
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        for (d, heads), key_norm, normaliser, per_token in read_cases(args.full)[: 1 if args.quick else None]:
+        for (d, heads), key_norm, normaliser, per_token in read_cases(full)[: 1 if quick else None]:
             shape = (2, T, d)
             srcs = [(torch.randn(*shape, generator=g) * (1 + i)).to(dev, dtype).requires_grad_() for i in range(7)]
             # scores of a few units, as learned queries give (not ±√d, where both fp32
@@ -90,9 +75,15 @@ def main(argv=None) -> int:
             tag = f"{str(dtype)[6:]} d={d} H={heads} kn={key_norm} {normaliser} per_token={per_token}"
             ok &= close(f"read {tag}", got, want, tol)
             ok &= close(f"grads {tag}", torch.cat([a.flatten() for a in gg]), torch.cat([b.flatten() for b in gw]), tol * 5)
-    # Schedules on the module, fp32.
+    return ok
+
+
+def check_schedules(g, dev: str, smoke: bool, quick: bool, triton_kernels) -> bool:
+    """Schedules on the module, fp32: Triton per read against PyTorch, two-phase against per read,
+    and two-phase with each Triton knob changed against two-phase."""
+    ok = True
     schedules = (("block", 4, 10), ("block", 1, 6), ("block_multihead", 3, 8), ("full", 4, 10), ("full_sigmoid", 4, 7))
-    for variant, S, L in schedules[: 1 if args.quick else None]:
+    for variant, S, L in schedules[: 1 if quick else None]:
         res = build_residual(ResidualConfig(name=variant, block_size=S, heads=4), 64, L).to(dev)
         with torch.no_grad():
             for p in res.parameters():
@@ -122,10 +113,15 @@ def main(argv=None) -> int:
         ok &= close(f"{tag} two-phase vs per-read", outs["two-phase"], outs["per read"], 1e-4)
         for name in list(runs)[3:]:  # the knobs' runs
             ok &= close(f"{tag} {name} vs two-phase", outs[name], outs["two-phase"], 1e-5)
-    # A bf16 autocast training step through the kernels vs the PyTorch path.
+    return ok
+
+
+def check_training(g, dev: str, smoke: bool, quick: bool) -> bool:
+    """A bf16 autocast training step through the kernels vs the PyTorch path."""
+    ok = True
     cfg = ModelConfig(d_model=64 if smoke else 256, layers=2 if smoke else 4, n_heads=4, max_seq_len=256)
     idx = torch.randint(0, 256, (2, 9) if smoke else (4, 256), generator=g).to(dev)
-    for variant in ("block",) if args.quick else ("block", "full"):
+    for variant in ("block",) if quick else ("block", "full"):
         losses = {}
         for backend in ("torch", "triton"):
             kernels.set_backend(backend)
@@ -140,7 +136,33 @@ def main(argv=None) -> int:
                 loss.backward()
                 opt.step()
             losses[backend] = loss.item()
-        ok &= close(f"{variant} bf16 autocast, loss after 5 steps, triton vs torch", torch.tensor(losses["triton"]), torch.tensor(losses["torch"]), 1e-2)
+        ok &= close(f"{variant} bf16 autocast, loss after 5 steps, triton vs torch", torch.tensor(losses["triton"]),
+                    torch.tensor(losses["torch"]), 1e-2)
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="small, on CPU under Triton's interpreter (tests the script)")
+    ap.add_argument("--full", action="store_true", help="every combination of the read's knobs (32 cases per dtype, not 8)")
+    ap.add_argument("--quick", action="store_true", help="one case of each kind of check (what run_gpu.sh --dry-run runs)")
+    args = ap.parse_args(argv)
+    # --smoke: the same checks on CPU tensors under TRITON_INTERPRET=1, small (tests the script).
+    smoke = args.smoke
+    if not kernels.triton_available():
+        ap.error("Triton is not installed (pip install triton)")
+    if not (smoke or torch.cuda.is_available()):
+        ap.error("no CUDA device here (torch.cuda.is_available() is False); allowed without one: --smoke")
+    dev, ok = ("cpu" if smoke else "cuda"), True
+    T = 5 if smoke else 333
+    kernels.set_backend("triton" if smoke else None)
+    from attnres.kernels import triton_kernels  # after the interpreter's switch (--smoke)
+
+    # One generator through the three checks, in this order: each check's inputs follow the last's.
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ok &= check_reads(g, dev, T, args.full, args.quick)
+    ok &= check_schedules(g, dev, smoke, args.quick, triton_kernels)
+    ok &= check_training(g, dev, smoke, args.quick)
     kernels.set_backend(None)
     kernels.set_schedule(None)
     print("ALL OK" if ok else "SOME CHECKS FAILED")

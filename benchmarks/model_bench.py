@@ -186,7 +186,7 @@ def set_triton_knobs(pairs: list[str], error) -> dict:
     return knobs
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; baseline is always added")
@@ -210,9 +210,12 @@ def main(argv=None) -> dict:
                     help="set a knob of the Triton kernels for this run (attnres.kernels.triton_kernels.KNOBS; "
                          "VALUE an integer, true, false or none); repeatable")
     ap.add_argument("--json", help="output path (default benchmarks/out/model_bench_<device>.json)")
-    args = ap.parse_args(argv)
-    triton_knobs = set_triton_knobs(args.triton, ap.error)
+    return ap
 
+
+def configure(args, error) -> dict:
+    """The run's threads and allocator set, and its device, model config, batch shape, block size
+    and variants (baseline first); `error(message)` for a bad one."""
     if args.threads:
         torch.set_num_threads(args.threads)
     kept = False if args.malloc_default else malloc.keep_freed_memory()
@@ -225,31 +228,38 @@ def main(argv=None) -> dict:
     cfg = ModelConfig(max_seq_len=seq_len, **mcfg)
     blocks = preset["blocks"] if args.blocks is None else args.blocks
     if blocks is not None and blocks < 1:
-        ap.error(f"--blocks {blocks}: the number of blocks must be at least 1")
+        error(f"--blocks {blocks}: the number of blocks must be at least 1")
     # S as the sweeps' ${blocks:N} computes it (harness.config.block_size_of), written out here:
     # the harness's resolvers need OmegaConf, which a GPU machine's image may lack.
     block_size = None if blocks is None else max(1, round(2 * cfg.layers / blocks))
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        ap.error(f"--variants: unknown {', '.join(unknown)}; allowed: {', '.join(VARIANTS)}")
+        error(f"--variants: unknown {', '.join(unknown)}; allowed: {', '.join(VARIANTS)}")
+    return dict(kept=kept, device=device, cfg=cfg, batch=batch, seq_len=seq_len, block_size=block_size,
+                variants=variants)
+
+
+def build_runs(setup: dict, use_compile: bool, error) -> dict:
+    """Per variant: its model, AdamW and a training step on one fixed batch (bf16 autocast on CUDA)."""
+    device, cfg, block_size = setup["device"], setup["cfg"], setup["block_size"]
     cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen).to(device)
-    tgt = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen).to(device)
+    idx = torch.randint(0, cfg.vocab_size, (setup["batch"], setup["seq_len"]), generator=gen).to(device)
+    tgt = torch.randint(0, cfg.vocab_size, (setup["batch"], setup["seq_len"]), generator=gen).to(device)
 
     runs = {}
-    for v in variants:
+    for v in setup["variants"]:
         torch.manual_seed(0)
         try:
             knobs = {} if block_size is None else dict(block_size=block_size)
             model = DecoderLM(cfg, ResidualConfig(name=v, **knobs)).to(device)
         except ValueError as e:  # a variant that does not fit the shape (block size > sublayers, …)
-            ap.error(f"--variants {v}: {e}")
+            error(f"--variants {v}: {e}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # a small lr keeps the model stable over rounds
-        fwd = torch.compile(model) if args.compile else model
+        fwd = torch.compile(model) if use_compile else model
 
         def step(model=model, opt=opt, fwd=fwd):
             with amp:
@@ -259,109 +269,124 @@ def main(argv=None) -> dict:
             opt.zero_grad(set_to_none=True)
 
         runs[v] = dict(model=model, opt=opt, step=step)
+    return runs
 
-    def timed(v) -> tuple[float, float]:
-        if cuda:
-            torch.cuda.synchronize()
-        t, c = time.perf_counter(), time.process_time()
-        runs[v]["step"]()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t, time.process_time() - c
 
-    # A time limit's SIGTERM (run_gpu.sh's stages) stops the bench as Ctrl-C does; what was
-    # measured by then is reported.
-    sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    times = {v: [] for v in variants}
-    ratios = {v: [] for v in variants}
-    cpu_times = {v: [] for v in variants}
-    cpu_ratios = {v: [] for v in variants}
+def timed(step, cuda: bool) -> tuple[float, float]:
+    """Wall and CPU seconds of one step()."""
+    if cuda:
+        torch.cuda.synchronize()
+    t, c = time.perf_counter(), time.process_time()
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def time_rounds(runs: dict, warmup: int, n_rounds: int, cuda: bool) -> tuple[dict, dict, int, bool]:
+    """Warm-up steps, then `n_rounds` rounds of one step per variant: per variant its wall and CPU
+    times and their ratios to the baseline's, the warm-up seconds, the rounds done and whether an
+    interrupt stopped them (exit 130 when it came before the first round finished)."""
+    variants = list(runs)
+    samples = {k: {v: [] for v in variants} for k in ("times", "ratios", "cpu_times", "cpu_ratios")}
     warmup_s, rounds, stage, t = {}, 0, "first round", time.perf_counter()
-    try:  # SIGTERM stays an interrupt until the memory pass is done: a time limit keeps the rounds
-        try:
-            for v in variants:  # with --compile, the first step compiles: its time says what a budget needs
-                stage, t = f"warm-up of {v}", time.perf_counter()
-                for _ in range(args.warmup):
-                    timed(v)
-                warmup_s[v] = round(time.perf_counter() - t, 2)
-            stage, t = "first round", time.perf_counter()
-            for r in range(args.rounds):
-                # The order rotates and each time is divided by the baseline's in the same round, so
-                # the machine's slow drift cancels; CPU time beside wall time resists other processes.
-                order = variants[r % len(variants):] + variants[: r % len(variants)]
-                got = {v: timed(v) for v in order}
-                for v in variants:
-                    times[v].append(got[v][0])
-                    ratios[v].append(got[v][0] / got["baseline"][0])
-                    cpu_times[v].append(got[v][1])
-                    cpu_ratios[v].append(got[v][1] / got["baseline"][1])
-                rounds += 1
-        except KeyboardInterrupt:
-            if rounds == 0:
-                print(f"model_bench: interrupted in the {stage} after {time.perf_counter() - t:.0f} s "
-                      f"(warm-ups done, s: {warmup_s}); no rounds to report", file=sys.stderr)
-                raise SystemExit(130) from None
-            print(f"# interrupted: reporting the {rounds} of {args.rounds} rounds done, no memory pass", file=sys.stderr)
-            args.no_memory = True
+    try:
+        for v in variants:  # with --compile, the first step compiles: its time says what a budget needs
+            stage, t = f"warm-up of {v}", time.perf_counter()
+            for _ in range(warmup):
+                timed(runs[v]["step"], cuda)
+            warmup_s[v] = round(time.perf_counter() - t, 2)
+        stage, t = "first round", time.perf_counter()
+        for r in range(n_rounds):
+            # The order rotates and each time is divided by the baseline's in the same round, so
+            # the machine's slow drift cancels; CPU time beside wall time resists other processes.
+            order = variants[r % len(variants):] + variants[: r % len(variants)]
+            got = {v: timed(runs[v]["step"], cuda) for v in order}
+            for v in variants:
+                samples["times"][v].append(got[v][0])
+                samples["ratios"][v].append(got[v][0] / got["baseline"][0])
+                samples["cpu_times"][v].append(got[v][1])
+                samples["cpu_ratios"][v].append(got[v][1] / got["baseline"][1])
+            rounds += 1
+    except KeyboardInterrupt:
+        if rounds == 0:
+            print(f"model_bench: interrupted in the {stage} after {time.perf_counter() - t:.0f} s "
+                  f"(warm-ups done, s: {warmup_s}); no rounds to report", file=sys.stderr)
+            raise SystemExit(130) from None
+        print(f"# interrupted: reporting the {rounds} of {n_rounds} rounds done, no memory pass", file=sys.stderr)
+        return samples, warmup_s, rounds, True
+    return samples, warmup_s, rounds, False
 
+
+def memory_pass(runs: dict, rounds: int, cuda: bool) -> dict:
+    """Per variant, the bytes of its parameters and optimizer state plus one step's peak; empty
+    when interrupted."""
+    memory = {}
+    try:
+        for v, run in runs.items():
+            static = state_bytes(run["model"], run["opt"])
+            if cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                run["step"]()
+                torch.cuda.synchronize()
+                memory[v] = static + torch.cuda.max_memory_allocated() - before
+            else:
+                memory[v] = static + cpu_peak_bytes(run["step"])
+    except KeyboardInterrupt:
+        print(f"# interrupted in the memory pass: reporting the {rounds} rounds, no memory figures",
+              file=sys.stderr)
         memory = {}
-        try:
-            if not args.no_memory:
-                for v in variants:
-                    run = runs[v]
-                    static = state_bytes(run["model"], run["opt"])
-                    if cuda:
-                        torch.cuda.synchronize()
-                        before = torch.cuda.memory_allocated()
-                        torch.cuda.reset_peak_memory_stats()
-                        run["step"]()
-                        torch.cuda.synchronize()
-                        memory[v] = static + torch.cuda.max_memory_allocated() - before
-                    else:
-                        memory[v] = static + cpu_peak_bytes(run["step"])
-        except KeyboardInterrupt:
-            print(f"# interrupted in the memory pass: reporting the {rounds} rounds, no memory figures",
-                  file=sys.stderr)
-            memory = {}
-        profiles = {}
-        try:
-            if args.profile > 0 and memory:  # not after an interrupt
-                for v in variants:
-                    profiles[v] = kernel_profile(runs[v]["step"], cuda, args.profile)
-        except KeyboardInterrupt:
-            print(f"# interrupted in the profile: reporting {len(profiles)} of {len(variants)} profiles",
-                  file=sys.stderr)
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
+    return memory
 
-    def q(xs, p):
-        # "inclusive": quartiles within the data (the default extrapolates past it with few rounds)
-        return statistics.quantiles(xs, n=4, method="inclusive")[p] if len(xs) > 1 else xs[0]
 
+def profile_pass(runs: dict, cuda: bool, top: int) -> dict:
+    """Per variant, kernel_profile of one step; the variants done when interrupted."""
+    profiles = {}
+    try:
+        for v, run in runs.items():
+            profiles[v] = kernel_profile(run["step"], cuda, top)
+    except KeyboardInterrupt:
+        print(f"# interrupted in the profile: reporting {len(profiles)} of {len(runs)} profiles",
+              file=sys.stderr)
+    return profiles
+
+
+def _quartile(xs, p):
+    # "inclusive": quartiles within the data (the default extrapolates past it with few rounds)
+    return statistics.quantiles(xs, n=4, method="inclusive")[p] if len(xs) > 1 else xs[0]
+
+
+def summarize(samples: dict, memory: dict, cuda: bool) -> list[dict]:
+    """One row per variant: median step time and ratios with their quartiles, and memory if measured."""
+    times, ratios, cpu_times, cpu_ratios = (samples[k] for k in ("times", "ratios", "cpu_times", "cpu_ratios"))
     rows = []
-    for v in variants:
+    for v in times:
         row = dict(variant=v, step_ms=1000 * statistics.median(times[v]), ratio=statistics.median(ratios[v]),
-                   ratio_q1=q(ratios[v], 0), ratio_q3=q(ratios[v], 2))
+                   ratio_q1=_quartile(ratios[v], 0), ratio_q3=_quartile(ratios[v], 2))
         if not cuda:
             row.update(cpu_step_ms=1000 * statistics.median(cpu_times[v]), cpu_ratio=statistics.median(cpu_ratios[v]),
-                       cpu_ratio_q1=q(cpu_ratios[v], 0), cpu_ratio_q3=q(cpu_ratios[v], 2))
+                       cpu_ratio_q1=_quartile(cpu_ratios[v], 0), cpu_ratio_q3=_quartile(cpu_ratios[v], 2))
         if memory:
             row.update(peak_mib=memory[v] / 2**20, memory_ratio=memory[v] / memory["baseline"])
         rows.append(row)
+    return rows
 
-    info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=batch,
-                seq_len=seq_len, block_size=block_size, rounds=rounds, warmup=args.warmup, warmup_seconds=warmup_s,
-                compile=args.compile, autocast_bf16=cuda, kernel_backend=kernels.backend(), schedule=os.environ.get("ATTNRES_SCHEDULE", "auto"),
-                keep_freed_memory=kept, triton_knobs=triton_knobs, rows=rows, profiles=profiles)
-    print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {device}, "
-          f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} batch={batch}x{seq_len}, "
-          f"block size {block_size or 'per variant'}, "
-          f"{rounds} alternating rounds, compile={args.compile}, keep_freed_memory={kept}; warm-up s {warmup_s}"
-          + (f"; Triton knobs {triton_knobs}" if triton_knobs else ""))
+
+def print_report(info: dict, cfg, cuda: bool) -> None:
+    """The run's header line, the table of ratios, and each variant's profile if any."""
+    rows, profiles, kept, warmup_s = info["rows"], info["profiles"], info["keep_freed_memory"], info["warmup_seconds"]
+    triton_knobs, block_size = info["triton_knobs"], info["block_size"]
+    print(f"# {info['machine']['cpu']} ({info['machine'].get('gpu', 'no GPU')}), device {info['device']}, "
+          f"threads {torch.get_num_threads()}, d_model={cfg.d_model} layers={cfg.layers} "
+          f"batch={info['batch']}x{info['seq_len']}, block size {block_size or 'per variant'}, "
+          f"{info['rounds']} alternating rounds, compile={info['compile']}, keep_freed_memory={kept}; "
+          f"warm-up s {warmup_s}" + (f"; Triton knobs {triton_knobs}" if triton_knobs else ""))
     cpu_cols = f" {'cpu ms':>8s} {'cpu ratio':>9s} {'(IQR)':>15s}" if not cuda else ""
     print(f"{'variant':18s} {'step ms':>9s} {'time ratio':>10s} {'(IQR)':>15s}{cpu_cols} {'peak MiB':>9s} {'mem ratio':>9s}")
     for row in rows:
-        mem = f"{row['peak_mib']:9.1f} {row['memory_ratio']:9.3f}" if memory else ""
+        mem = f"{row['peak_mib']:9.1f} {row['memory_ratio']:9.3f}" if "peak_mib" in row else ""
         cpu = (f" {row['cpu_step_ms']:8.1f} {row['cpu_ratio']:9.3f}  [{row['cpu_ratio_q1']:.3f}, {row['cpu_ratio_q3']:.3f}]"
                if not cuda else "")
         print(f"{row['variant']:18s} {row['step_ms']:9.1f} {row['ratio']:10.3f}  [{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}]{cpu} {mem}")
@@ -371,10 +396,43 @@ def main(argv=None) -> dict:
               f"the costliest {len(prof['top'])}:")
         for r in prof["top"]:
             print(f"  {r['ms']:9.2f} ms {r['calls']:5d}x  {r['name'][:100]}")
-    out = Path(args.json) if args.json else Path(__file__).parent / "out" / f"model_bench_{device.type}.json"
+
+
+def write_json(info: dict, path: str | None, device) -> None:
+    out = Path(path) if path else Path(__file__).parent / "out" / f"model_bench_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(info, indent=2, default=str))
     print(f"wrote {out}")
+
+
+def main(argv=None) -> dict:
+    ap = parser()
+    args = ap.parse_args(argv)
+    triton_knobs = set_triton_knobs(args.triton, ap.error)
+    setup = configure(args, ap.error)
+    device, cfg = setup["device"], setup["cfg"]
+    cuda = device.type == "cuda"
+    runs = build_runs(setup, args.compile, ap.error)
+
+    # A time limit's SIGTERM (run_gpu.sh's stages) stops the bench as Ctrl-C does; what was
+    # measured by then is reported.
+    sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:  # SIGTERM stays an interrupt until the memory pass is done: a time limit keeps the rounds
+        samples, warmup_s, rounds, interrupted = time_rounds(runs, args.warmup, args.rounds, cuda)
+        memory = {} if args.no_memory or interrupted else memory_pass(runs, rounds, cuda)
+        # no profile after an interrupt (no memory figures then)
+        profiles = profile_pass(runs, cuda, args.profile) if args.profile > 0 and memory else {}
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+
+    rows = summarize(samples, memory, cuda)
+    info = dict(machine=machine(), device=str(device), preset=args.preset, model=vars(cfg), batch=setup["batch"],
+                seq_len=setup["seq_len"], block_size=setup["block_size"], rounds=rounds, warmup=args.warmup,
+                warmup_seconds=warmup_s, compile=args.compile, autocast_bf16=cuda, kernel_backend=kernels.backend(),
+                schedule=os.environ.get("ATTNRES_SCHEDULE", "auto"), keep_freed_memory=setup["kept"],
+                triton_knobs=triton_knobs, rows=rows, profiles=profiles)
+    print_report(info, cfg, cuda)
+    write_json(info, args.json, device)
     return info
 
 

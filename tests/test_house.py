@@ -1,5 +1,6 @@
-"""The house rules a reader relies on: the core stands alone, and the variant list has one source
-(attnres.VARIANTS) that every sweep listing all variants and the analysis agree with."""
+"""The house rules a reader relies on: the core stands alone, the variant list has one source
+(attnres.VARIANTS) that every sweep listing all variants and the analysis agree with, and no
+function outside the kernels runs past 80 lines."""
 import ast
 from pathlib import Path
 
@@ -36,3 +37,27 @@ def test_the_analysis_knows_exactly_the_variants_of_the_core():
     from analysis.paper import KNOWN_VARIANTS
 
     assert sorted(KNOWN_VARIANTS) == sorted(VARIANTS)
+
+
+def _project_files() -> list[Path]:
+    """Every .py file of the project but the tests and the kernels (and hidden folders: .git, a venv)."""
+    files = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "tests" or rel.parts[:2] == ("attnres", "kernels") or \
+                any(p.startswith(".") for p in rel.parts[:-1]):
+            continue
+        files.append(rel)
+    return files
+
+
+def test_no_function_of_the_project_outside_the_kernels_runs_past_80_lines():
+    files = _project_files()
+    # the walk reaches the scripts and the core, not only one folder
+    assert {Path("run.py"), Path("benchmarks/model_bench.py"), Path("attnres/model.py")} <= set(files)
+    long = []
+    for rel in files:
+        for fn in ast.walk(ast.parse((ROOT / rel).read_text(), filename=str(rel))):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.end_lineno - fn.lineno + 1 > 80:
+                long.append(f"{rel}:{fn.lineno} {fn.name} ({fn.end_lineno - fn.lineno + 1} lines)")
+    assert long == [], "functions over 80 lines: " + ", ".join(long)
