@@ -7,13 +7,14 @@ non-zero after writing everything else. Output is deterministic for a given inpu
 """
 from __future__ import annotations
 
+
 import json
 import os
 import shutil
 import sys
 import tempfile
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -256,8 +257,18 @@ def _adaptive_for(runset: RunSet) -> tuple[dict | None, str]:
                   "(another recipe's study, or a snapshot exported before it).")
 
 
-def _summary(sections) -> str:
-    rows = [(s.title, c) for s in sections for c in s.claims]
+def _unless_reversed(c: "sec.Claim", outcome: str | None) -> "sec.Claim":
+    if outcome != "reverses" or c.verdict not in ("agrees", "does not agree"):
+        return c
+    return replace(c, verdict="inconclusive", ours=c.ours + "; resolves with the other sign at "
+                               "another nuisance setting (robustness section): no verdict")
+
+
+def _summary(sections, nuisance: dict[str, str | None] | None = None) -> str:
+    """``nuisance``: {variant: how variant − baseline fared over the robustness runs' settings}; a
+    verdict against the baseline that resolves the other way at one of them is no verdict."""
+    rows = [(s.title, _unless_reversed(c, (nuisance or {}).get(c.against_baseline)))
+            for s in sections for c in s.claims]
     if not rows:
         return "No claim of the paper could be checked with these runs.\n"
     df = pd.DataFrame([{"Section": t, "Paper's claim": c.claim, "Ours": c.ours,
@@ -333,6 +344,7 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
     tuned, tuned_extra, tuned_note = _tuned_lr_runs(fin, abl_runs)
 
     robust = fin[fin["section"] == "robustness"]
+    nuisance = {v: sec.robustness.outcome(pd.concat([abl_runs, robust]), v, opts.level) for v in ("full", "block")}
     jobs = [
         ("Ablation (paper Table 4)", lambda: sec.ablation_section(abl_runs, paper, out, abl_note,
                                                                   opts.n_boot, opts.seed,
@@ -343,7 +355,7 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
             tuned, tuned_extra, paper, out, tuned_note)),
         (sec.full.TITLE, lambda: sec.full_section(
             abl_runs, tuned, tuned_extra, _same_recipe(fin[fin["section"] == "block_size"], abl_runs),
-            runset.histories, out, sec.robustness.outcome(pd.concat([abl_runs, robust]), "full", opts.level))),
+            runset.histories, out, nuisance["full"])),
         ("Block size (paper Fig. 6)", lambda: sec.block_size_section(
             fin[fin["section"] == "block_size"], paper, out,
             _repeats(fin[fin["section"] == "block_size"], abl_runs))),
@@ -379,7 +391,7 @@ def _write_report(runset: RunSet, out: Path, opts: Options) -> list[str]:
                       "numbers are in `results/paper/`.")
     parts = ["# Attention Residuals: our runs beside the paper\n", paper_note + "\n",
              "## Runs\n", _inputs(runset, runs["section"], opts, repeated, unusable),
-             "## Where we agree with the paper and where we do not\n", _summary(sections)]
+             "## Where we agree with the paper and where we do not\n", _summary(sections, nuisance)]
     for i, s in enumerate(sections, 1):
         parts += [f"## {i}. {s.title}\n", s.text]
     (out / "REPORT.md").write_text("\n".join(p.rstrip("\n") + "\n" for p in parts))

@@ -266,4 +266,7 @@ def test_the_full_section_takes_its_verdict_from_the_robustness_runs(tmp_path):
     _write_report(RunSet(runs), tmp_path, Options(n_boot=0))
     report = (tmp_path / "REPORT.md").read_text()
     part = report.split(sec.full.TITLE, 1)[1].split("\n## ", 1)[0]
-    assert "revers" in part and "not varied in these runs" not in part
+    assert "opposite sign" in part and "not varied in these runs" not in part
+    # and the summary gives the ablation's full − baseline no verdict: it does not survive its knob
+    row = next(l for l in report.splitlines() if l.startswith("| Ablation") and "Full AttnRes beats the baseline" in l)
+    assert row.rstrip(" |").endswith("inconclusive") and "other sign" in row

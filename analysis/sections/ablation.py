@@ -89,7 +89,7 @@ def _delta_claims(runs, t, paper) -> list[Claim]:
                                 f"Δ = {_f(d)} ± {_f(h)} ({_design(t.loc[v])}; Welch "
                                 f"{_f(t.loc[v, 'welch_delta'])} ± {_f(t.loc[v, 'welch_ci'])})"
                                 + (f"; power for the paper's Δ {power:.0%}" if np.isfinite(power) else ""),
-                                _verdict(d - h, d + h), t.loc[v, "p"]))
+                                _verdict(d - h, d + h), t.loc[v, "p"], against_baseline=v))
     if {"full", "block"} <= set(t.index):
         fr, br = runs[runs["variant"] == "full"], runs[runs["variant"] == "block"]
         c = compare(fr["final_val_loss"], br["final_val_loss"], _seeds(fr), _seeds(br))

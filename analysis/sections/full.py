@@ -57,7 +57,8 @@ def verdict(e: Evidence) -> tuple[str, str]:
         short.append(f"Block at S = 1 is not shown within ±{EQUIVALENCE_MARGIN:g} nats of Full"
                      if e.s1 else "there is no Block at S = 1 to compare")
     if e.nuisance == "reverses":
-        short.append(f"the sign reverses at one of {NUISANCE}")
+        short.append("the gap resolves with the opposite sign at one of its nuisance settings "
+                     "(the robustness section names it)")
     elif e.nuisance != "survives":
         short.append(f"the gap has not been shown to survive {NUISANCE}"
                      + (" (not varied in these runs)" if e.nuisance is None else ""))

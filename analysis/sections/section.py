@@ -22,6 +22,7 @@ class Claim:
     ours: str
     verdict: str  # agrees | does not agree | inconclusive | not tested
     p: float = float("nan")  # two-sided p-value of the test behind the verdict; NaN if none (bootstrap, counts)
+    against_baseline: str | None = None  # the variant a claim compares with the baseline at the ablation's settings
 
 
 @dataclass
