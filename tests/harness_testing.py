@@ -164,3 +164,12 @@ def artifacts(tmp: Path, run_id: str, path: str | None = None) -> list[str]:
     for item in c.list_artifacts(run_id, path):
         out += artifacts(tmp, run_id, item.path) if item.is_dir else [item.path]
     return out
+
+
+def then_delete(fn, path):
+    """`fn`, which deletes `path` once it has returned: a store that vanishes right after a step."""
+    def wrapped(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        path.unlink()
+        return result
+    return wrapped

@@ -338,17 +338,11 @@ def test_a_store_deleted_during_the_evaluation_is_one_line_and_not_recreated(set
     import shutil
 
     import evaluation.heldout as heldout
+    from harness_testing import then_delete
 
     store = tmp_path / "copy.db"
     shutil.copy(Path(setup["uri"].removeprefix("sqlite:///")), store)
-    real = heldout.heldout_metrics
-
-    def score_then_the_store_goes(*args, **kwargs):
-        found = real(*args, **kwargs)
-        store.unlink()
-        return found
-
-    monkeypatch.setattr(heldout, "heldout_metrics", score_then_the_store_goes)
+    monkeypatch.setattr(heldout, "heldout_metrics", then_delete(heldout.heldout_metrics, store))
     capsys.readouterr()
     assert main([setup["run_id"], "--tracking-uri", f"sqlite:///{store}", "--batch-size", "4", "--max-batches", "1"]) == 1
     captured = capsys.readouterr()

@@ -186,19 +186,13 @@ def test_a_store_deleted_while_the_page_is_made_is_one_line_and_not_recreated(ch
     the page is kept, one line says why it was not logged, and no store appears."""
     mlflow = pytest.importorskip("mlflow")
     import evaluation.explorer as explorer
+    from harness_testing import then_delete
 
     store = tmp_path / "mlflow.db"
     client = mlflow.tracking.MlflowClient(f"sqlite:///{store}")
     run = client.create_run(client.create_experiment("explorer", artifact_location=(tmp_path / "artifacts").as_uri()))
     client.log_artifacts(run.info.run_id, str(checkpoint), "model")
-    real_page = explorer.page
-
-    def page_then_the_store_goes(*args, **kwargs):
-        html = real_page(*args, **kwargs)
-        store.unlink()
-        return html
-
-    monkeypatch.setattr(explorer, "page", page_then_the_store_goes)
+    monkeypatch.setattr(explorer, "page", then_delete(explorer.page, store))
     capsys.readouterr()
     out = tmp_path / "d.html"
     assert main([run.info.run_id, "--tracking-uri", f"sqlite:///{store}", "--out", str(out), "--prompts", "1"]) == 1
